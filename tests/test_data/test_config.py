@@ -1,0 +1,98 @@
+"""Every shipped config composes; typos fail at start-up and name the valid choices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONF, REPO, compose
+from train.config import Config, ConfigError, check_key_path
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"{g}={p.stem}" for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+    + [f"experiment={e}" for e in EXPERIMENTS],
+)
+def test_every_shipped_config_composes(override: str) -> None:
+    extra = []
+    if override == "target=hf":
+        extra = ["target.path=/models/x"]
+    if override == "data=jsonl":
+        extra = ["data.sources.mine.paths=[a.jsonl]"]
+    cfg = compose([override, *extra])
+    assert isinstance(cfg, Config)
+    assert cfg.data.sources, override
+
+
+def test_quickstart_is_small() -> None:
+    cfg = compose(["experiment=quickstart"])
+    assert cfg.run_name == "quickstart"
+    assert cfg.data.num_prompts is not None and cfg.data.num_prompts <= 200
+    assert set(cfg.data.sources) == {"sharegpt", "humaneval"}
+    assert cfg.synth.max_new_tokens <= 128
+
+
+def test_misspelt_key_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        check_key_path("synth.max_new_tokenz")
+    msg = str(err.value)
+    assert "Did you mean 'synth.max_new_tokens'" in msg
+    assert "temperature" in msg and "batch_size" in msg
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_typo_fails_at_startup_with_valid_keys() -> None:
+    res = _cli("stage=synth", "synth.max_new_tokenz=4")
+    assert res.returncode == 2
+    assert "Unknown config key 'synth.max_new_tokenz'" in res.stderr
+    assert "Valid keys of 'synth'" in res.stderr and "max_new_tokens" in res.stderr
+
+
+def test_cli_unknown_stage_lists_stages() -> None:
+    res = _cli("stage=synthh")
+    assert res.returncode == 2
+    assert "Unknown stage 'synthh'" in res.stderr
+    assert "synth" in res.stderr and "merge" in res.stderr
+
+
+def test_cli_unknown_group_option_lists_options() -> None:
+    res = _cli("stage=synth", "data=sharegtp")
+    assert res.returncode != 0
+    assert "sharegpt" in res.stderr and "humaneval" in res.stderr
+
+
+def test_yaml_typo_in_experiment_fails(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    import shutil
+
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "typo.yaml").write_text("# @package _global_\nsynth:\n  max_new_tokenz: 3\n")
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf.errors import ConfigKeyError
+
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"), pytest.raises(Exception) as err:
+        hydra_compose("config", overrides=["experiment=typo"])
+    assert "max_new_tokenz" in str(err.value) or isinstance(err.value, ConfigKeyError)
+
+
+def test_bad_values_are_collected() -> None:
+    from data.synth import validate_synth
+
+    cfg = compose(["synth.top_p=1.5", "synth.max_new_tokens=0"])
+    with pytest.raises(ConfigError) as err:
+        validate_synth(cfg.synth)
+    assert "top_p" in str(err.value) and "max_new_tokens" in str(err.value)

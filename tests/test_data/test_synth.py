@@ -1,0 +1,171 @@
+"""Stage synth on the real SmolLM2 target: greedy identity, loss mask, kill-and-resume, shards + merge."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.render import conversation_ids_and_mask, prompt_ids
+from data.sources import Conversation
+from data.synth import load_synth_dataset, synth_chunk
+from tests.conftest import REPO, compose
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "experiment=quickstart",
+    "data.num_prompts=6",
+    "data.max_heldout=2",
+    "data.max_turns=2",
+    "synth.max_new_tokens=8",
+    "synth.chunk_size=2",
+    "synth.batch_size=4",
+    "data.max_prompt_tokens=160",
+]
+
+
+def test_loss_mask_marks_exactly_the_assistant_tokens(target) -> None:
+    tok = target.tokenizer
+    msgs = [
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "Hi there!"},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "def f():\n    return 1"},
+    ]
+    ids, mask = conversation_ids_and_mask(tok, msgs, 10_000)
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
+        "Hi there!<|im_end|>def f():\n    return 1<|im_end|>"
+    )
+    cut_ids, cut_mask = conversation_ids_and_mask(tok, msgs, 12)
+    assert cut_ids == ids[:12] and cut_mask == mask[:12]
+
+
+def test_greedy_synth_equals_the_targets_own_generate(target) -> None:
+    """Batched, left-padded, length-bucketed synth == one-prompt greedy ``generate`` (multi-turn too)."""
+    cfg = compose(["synth.max_new_tokens=12", "synth.batch_size=3"])
+    convs = [
+        Conversation(
+            "a",
+            "t",
+            [
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "orig"},
+                {"role": "user", "content": "And of Italy?"},
+            ],
+        ),
+        Conversation("b", "t", [{"role": "user", "content": "Write a haiku about the sea."}]),
+        Conversation("c", "t", [{"role": "user", "content": "def add(a, b):"}]),
+        Conversation("d", "t", [{"role": "user", "content": "List three prime numbers, please, with reasons."}]),
+    ]
+    rows, stats = synth_chunk(target, convs, cfg.synth, 512, None)
+    assert stats.turns == 5 and len(rows) == 4
+    tok = target.tokenizer
+
+    def ref_generate(messages: list[dict[str, str]]) -> list[int]:
+        ids = prompt_ids(tok, messages)
+        out = target.model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(ids) :].tolist()
+        return out[: out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
+
+    for conv, row in zip(convs, rows, strict=True):
+        history: list[dict[str, str]] = []
+        users = [m for m in conv.messages if m["role"] == "user"]
+        for turn, user in enumerate(users):
+            history.append(user)
+            expected = ref_generate(history)
+            assert row["gen_token_ids"][turn] == expected, (conv.id, turn)
+            answer = tok.decode(expected, skip_special_tokens=True)
+            history.append({"role": "assistant", "content": answer})  # conditioned on its own answer
+        assert row["messages"] == history
+        assert "orig" not in json.dumps(row["messages"])
+
+
+def _synth(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "train", "stage=synth", *SMALL, f"hydra.run.dir={run_dir}", *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    ds = load_synth_dataset(run_dir)
+    return sorted(ds.to_list(), key=lambda r: (r["source"], r["id"]))
+
+
+def test_kill_resume_and_shards_give_the_same_dataset(tmp_path: Path, run_env: dict[str, str]) -> None:
+    ref_dir, killed_dir, shard_dir = tmp_path / "ref", tmp_path / "killed", tmp_path / "sharded"
+    ref = _synth(ref_dir, run_env)
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out
+    manifest = json.loads((ref_dir / "manifest.json").read_text())
+    assert manifest["counts"]["rows"] == 6 and manifest["counts"]["chunks"] == 3
+    assert manifest["target"]["fingerprint"] and manifest["timings"]["generated_tokens_per_second"] > 0
+    assert manifest["skipped"]["sharegpt"]["empty"] > 0  # malformed ShareGPT rows are counted
+    heldout = [json.loads(x) for x in (ref_dir / "heldout.jsonl").read_text().splitlines()]
+    train_ids = {(r["source"], r["id"]) for r in _rows(ref_dir)}
+    assert heldout and not train_ids & {(h["source"], h["id"]) for h in heldout}
+
+    # Kill a run right after its first chunk lands; the restart skips it and finishes the rest.
+    proc = _synth(killed_dir, run_env)
+    first = killed_dir / "data" / "chunk-00000.parquet"
+    deadline = time.time() + 600
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = sorted(p.name for p in (killed_dir / "data").glob("chunk-*.parquet"))
+    assert "chunk-00000.parquet" in done_before and len(done_before) < 3
+    assert not (killed_dir / "manifest.json").exists()
+    assert not list((killed_dir / "data").glob(".*tmp*"))  # nothing half-written under a final name
+    resumed = _synth(killed_dir, run_env)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert f"{len(done_before)} already done" in out
+    assert _rows(killed_dir) == _rows(ref_dir)
+
+    # Two shards (as two SLURM array tasks would run them), then the merge step.
+    for i in (0, 1):
+        p = _synth(shard_dir, run_env, "synth.num_shards=2", f"synth.shard_index={i}")
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out
+    merge = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "stage=merge",
+            *SMALL,
+            f"synth_dir={shard_dir}",
+            f"hydra.run.dir={tmp_path / 'merge'}",
+        ],
+        cwd=REPO,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert merge.returncode == 0, merge.stdout + merge.stderr
+    assert _rows(shard_dir) == _rows(ref_dir)
+
+    # A different config into the same directory is refused (nothing is lost).
+    clash = _synth(ref_dir, run_env, "synth.max_new_tokens=9")
+    out, _ = clash.communicate(timeout=600)
+    assert clash.returncode != 0 and "different config" in out

@@ -1,0 +1,211 @@
+"""The typed configuration tree: dataclasses registered in Hydra's ConfigStore.
+
+YAML files under ``conf/`` hold values; these dataclasses are the schema. Hydra merges the YAML onto the
+schema, so a misspelt key in a YAML file fails at start-up. Command-line overrides are checked before
+Hydra runs (:func:`check_overrides`), so a typo there names the valid keys and the closest match.
+Code below the entry point receives a :class:`Config` object, never a ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, get_args, get_origin, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class TargetConfig:
+    """The target model whose outputs the drafter learns to predict."""
+
+    name: str = "smollm2-135m"
+    """A label for logs and manifests."""
+    path: str | None = None
+    """A local Hugging Face directory or a hub id; None selects the embedded SmolLM2 GGUF."""
+    gguf_file: str | None = None
+    """A GGUF file name inside ``path`` (converted once to a cached safetensors directory)."""
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    trust_remote_code: bool = False
+    """Run model code shipped with the checkpoint. Off unless you trust the checkpoint's author."""
+    cache_dir: str | None = None
+    """Where converted targets (GGUF -> safetensors) are cached, keyed by the GGUF's hash
+    (None: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith)."""
+
+    def resolved_cache_dir(self) -> str:
+        return resolve_path(self.cache_dir or os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith")
+
+
+@dataclass
+class SourceConfig:
+    """One prompt source in the data mixture."""
+
+    kind: str = "sharegpt"
+    """sharegpt | humaneval | jsonl."""
+    weight: float = 1.0
+    """Share of ``data.num_prompts`` drawn from this source (weights are normalised)."""
+    paths: list[str] = field(default_factory=list)
+    """For kind=jsonl: JSONL or Parquet files with OpenAI-style ``messages`` lists or ``prompt`` strings."""
+    max_records: int | None = None
+    """Read at most this many records from the source (None: all)."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt sources (real traffic), their mixture, validation limits and the held-out split."""
+
+    sources: dict[str, SourceConfig] = field(default_factory=lambda: {"sharegpt": SourceConfig()})
+    num_prompts: int | None = None
+    """Training conversations to synthesise in total (None: every valid training conversation)."""
+    heldout_fraction: float = 0.05
+    """Fraction of conversations (by hashed id) held out for evaluation and never trained on."""
+    split_salt: str = "heldout-v1"
+    """Salt of the hash that assigns conversations to the held-out split; change it to redraw the split."""
+    max_heldout: int = 200
+    """Held-out conversations written per source for the eval stage."""
+    max_turns: int = 4
+    """User turns kept per conversation (later turns are dropped)."""
+    max_prompt_tokens: int = 1024
+    """A conversation whose first prompt is longer than this (in target tokens) is skipped and counted."""
+    max_message_chars: int = 16000
+    """A message longer than this (in characters) makes the row malformed (skipped and counted)."""
+    shuffle_seed: int = 0
+    """Seed of the deterministic shuffle that picks which conversations are used."""
+
+
+@dataclass
+class SynthConfig:
+    """Stage synth: decode real prompts through the target ("mid-training" data)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    batch_size: int = 16
+    """Prompts decoded together (length-bucketed, left-padded)."""
+    chunk_size: int = 64
+    """Conversations per output file; the unit of atomic writes and of resume."""
+    num_shards: int = 1
+    """Split the work into this many shards (SLURM array tasks, GPUs)."""
+    shard_index: int | None = None
+    """Which shard this process runs (None: all shards, then merge)."""
+    max_seq_len: int = 2048
+    """Training rows are cut to this many tokens."""
+    regenerate: bool = True
+    """False keeps the original assistant answers (the baseline for the mid-training comparison)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """offline (default; no account needed) | online (needs WANDB_API_KEY) | disabled."""
+    project: str = "draftsmith"
+    entity: str | None = None
+
+
+@dataclass
+class RuntimeConfig:
+    num_threads: int = 0
+    """torch CPU threads (0: number of cores)."""
+    log_every: int = 10
+
+
+@dataclass
+class Config:
+    """The root of the configuration tree."""
+
+    stage: str = "synth"
+    """Which stage to run; see ``python -m train stage=help``."""
+    run_name: str = "default"
+    """Runs of the same name share ``runs_root/run_name/``: each stage writes its own subdirectory."""
+    runs_root: str = "runs"
+    seed: int = 0
+    synth_dir: str = "${runs_root}/${run_name}/synth"
+    """Where the synth stage writes (and later stages read) the training data and the held-out split."""
+    overwrite: bool = False
+    """Allow a stage to replace outputs written by a different config (otherwise it refuses)."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so ``conf/config.yaml`` can name it in its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message says which and what is allowed."""
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return get_type_hints(cls)[name]
+
+
+def _unwrap(tp: Any) -> Any:
+    """Strip Optional[...] and return the dataclass or the mapping's value type, else None."""
+    if is_dataclass(tp):
+        return tp
+    origin = get_origin(tp)
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if origin is dict and len(args) == 2:
+        return ("dict", _unwrap(args[1]))
+    if len(args) == 1:
+        return _unwrap(args[0])
+    return None
+
+
+def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = ()) -> None:
+    """Raise :class:`ConfigError` if ``dotted`` (e.g. ``synth.max_new_tokenz``) is not in the schema.
+
+    The message lists the valid keys at the failing level and the closest match.
+    """
+    node: Any = root
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        if isinstance(node, tuple) and node[0] == "dict":  # free-form mapping: any key, typed values
+            node = node[1]
+            continue
+        if not is_dataclass(node):
+            return
+        names = [f.name for f in fields(node)]
+        if part not in names:
+            prefix = ".".join(parts[:depth])
+            where = f"'{prefix}'" if prefix else "the root config"
+            valid = sorted(names + (list(groups) if depth == 0 else []))
+            close = difflib.get_close_matches(part, valid, n=1)
+            hint = f" Did you mean '{'.'.join([*parts[:depth], close[0]])}'?" if close else ""
+            raise ConfigError(
+                f"Unknown config key '{dotted}': '{part}' is not a key of {where}.{hint}\n"
+                f"Valid keys of {where}: {', '.join(valid)}"
+            )
+        node = _unwrap(_field_type(node, part))
+
+
+def check_overrides(overrides: list[str], groups: tuple[str, ...]) -> None:
+    """Check ``key=value`` command-line overrides against the schema before Hydra composes.
+
+    Group selections (``drafter=eagle``), Hydra's own keys (``hydra.*``) and additions (``+key=...``)
+    are left to Hydra, which lists the valid group options itself.
+    """
+    for ov in overrides:
+        if "=" not in ov or ov.startswith(("+", "~", "hydra.", "hydra/")):
+            continue
+        key = ov.split("=", 1)[0].lstrip("+")
+        if key in groups or "/" in key or key.split(".")[0] in ("hydra",):
+            continue
+        if key.split(".")[0] in groups and key.split(".")[0] not in {f.name for f in fields(Config)}:
+            continue
+        check_key_path(key, Config, groups)
+
+
+def resolve_path(path: str) -> str:
+    """Expand ``~`` and environment variables in a configured path."""
+    return os.path.expandvars(os.path.expanduser(path))
