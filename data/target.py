@@ -148,12 +148,13 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def fingerprint_model_dir(path: str, config: Any, tokenizer: Any) -> str:
     """A short hash of the model config, tokenizer vocabulary and (for local dirs) weight file sizes."""
     h = hashlib.sha256()
-    h.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    conf = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "dtype")}
+    h.update(json.dumps(conf, sort_keys=True, default=str).encode())
     h.update(str(len(tokenizer)).encode())
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())[:2000]).encode())
     src = Path(path) / "draftsmith_source.json"
     if src.is_file():
-        h.update(src.read_bytes())
+        h.update(json.loads(src.read_text(encoding="utf-8"))["sha256"].encode())
     elif Path(path).is_dir():
         for f in sorted(Path(path).glob("*.safetensors")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())

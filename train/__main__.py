@@ -39,8 +39,15 @@ def _stage_merge(cfg: Config, run_dir: Path) -> Any:
     return merge(cfg, Path(cfg.synth_dir))
 
 
+def _stage_train(cfg: Config, run_dir: Path) -> Any:
+    from train.loop import run_train
+
+    return run_train(cfg, run_dir)
+
+
 STAGES: dict[str, tuple[Callable[[Config, Path], Any], str]] = {
     "synth": (_stage_synth, "decode real prompts through the target into training data (+ held-out split)"),
+    "train": (_stage_train, "train the drafter (drafter=eagle) on the synth data with accelerate + DeepSpeed"),
     "merge": (_stage_merge, "join the shards of a sharded synth run (SLURM array) and write its manifest"),
 }
 
@@ -71,6 +78,8 @@ def preflight(argv: list[str]) -> None:
 def setup_runtime(cfg: Config) -> None:
     import torch
 
+    for noisy in ("accelerate.checkpointing", "accelerate.accelerator", "httpx", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     threads = cfg.runtime.num_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
 

@@ -100,6 +100,83 @@ class SynthConfig:
 
 
 @dataclass
+class TrainConfig:
+    """Stage train: the one training loop (accelerate + DeepSpeed) shared by every drafter family."""
+
+    max_steps: int = 2000
+    """Optimizer steps."""
+    micro_batch_size: int = 4
+    """Sequences per process per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step. Global batch = micro_batch_size * grad_accum * world size."""
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio at max_steps."""
+    max_grad_norm: float = 0.5
+    max_seq_len: int = 1024
+    """Training rows are cut to this many tokens."""
+    bucket_size: int = 64
+    """Rows are sorted by length within windows of bucket_size * micro_batch_size (length bucketing)."""
+    features: str = "online"
+    """online: target hidden states computed in each step (target frozen) | precomputed: read from features_dir."""
+    features_dir: str = "${runs_root}/${run_name}/features"
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16."""
+    log_every: int = 10
+    save_every: int = 200
+    """Save a resumable checkpoint every N steps (and at the end)."""
+    keep_checkpoints: int = 2
+    eval_every: int = 0
+    """Measure held-out tau with the eval decoder every M steps to pick the best checkpoint (0: at the end only)."""
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 48
+    stop_after_steps: int | None = None
+    """Stop (after checkpointing) at this step although max_steps is later: for tests and time-sliced jobs."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed settings; the DeepSpeed config dict is built from these (no second JSON)."""
+
+    enabled: bool = True
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    overlap_comm: bool = False
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+
+
+@dataclass
+class EvalConfig:
+    """Stage eval: held-out acceptance length and speedup with the built-in speculative decoder."""
+
+    proposers: list[str] = field(default_factory=lambda: ["drafter", "prompt_lookup"])
+    """Compared with plain decoding: drafter (the trained one) | prompt_lookup | draft_model | hf_assisted
+    | hf_prompt_lookup."""
+    drafter_dir: str | None = None
+    """A saved drafter (default: the train stage's best checkpoint of this run)."""
+    draft_model: str | None = None
+    """A standalone draft model directory for the draft_model / hf_assisted proposers."""
+    num_prompts: int = 16
+    """Held-out prompts per source."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    k: int = 5
+    """Chain length K for chain proposers."""
+    decode: str = "both"
+    """chain | tree | both: how the trained drafter drafts."""
+    prompt_lookup_max_ngram: int = 3
+    seed: int = 0
+    plot: bool = True
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     """offline (default; no account needed) | online (needs WANDB_API_KEY) | disabled."""
@@ -128,17 +205,42 @@ class Config:
     """Where the synth stage writes (and later stages read) the training data and the held-out split."""
     overwrite: bool = False
     """Allow a stage to replace outputs written by a different config (otherwise it refuses)."""
+    resume: bool = False
+    """stage=train: continue from the run's latest checkpoint exactly (weights, optimizer, schedule, data, RNG)."""
+    train_dir: str = "${runs_root}/${run_name}/train"
+    """Where the train stage writes (and eval/export read) the drafter checkpoints."""
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    drafter: Any = None
+    """The drafter family's config (a group: drafter=eagle | ...); its dataclass comes from the registry."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
+DRAFTER_SCHEMAS: dict[str, str] = {"eagle": "train.drafters.eagle:EagleConfig"}
+"""Drafter family -> its config dataclass (module:Class), stored in Hydra's ConfigStore as
+``drafter/<name>_schema`` so the YAML in ``conf/drafter/`` is validated against it."""
+
+
+def drafter_config_class(name: str) -> type:
+    import importlib
+
+    if name not in DRAFTER_SCHEMAS:
+        raise ConfigError(f"Unknown drafter {name!r}; valid: {', '.join(sorted(DRAFTER_SCHEMAS))}")
+    module, cls = DRAFTER_SCHEMAS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def register_configs() -> None:
-    """Register the schema so ``conf/config.yaml`` can name it in its defaults list."""
+    """Register the schemas so ``conf/config.yaml`` and ``conf/drafter/*.yaml`` can name them."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    for name in DRAFTER_SCHEMAS:
+        cs.store(group="drafter", name=f"{name}_schema", node=drafter_config_class(name))
 
 
 class ConfigError(ValueError):
@@ -162,14 +264,18 @@ def _unwrap(tp: Any) -> Any:
     return None
 
 
-def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = ()) -> None:
+def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = (), base: str = "") -> None:
     """Raise :class:`ConfigError` if ``dotted`` (e.g. ``synth.max_new_tokenz``) is not in the schema.
 
     The message lists the valid keys at the failing level and the closest match.
     """
     node: Any = root
-    parts = dotted.split(".")
+    parts = [*base.split("."), *dotted.split(".")] if base else dotted.split(".")
+    start = len(base.split(".")) if base else 0
+    dotted = ".".join(parts)
     for depth, part in enumerate(parts):
+        if depth < start:
+            continue
         if isinstance(node, tuple) and node[0] == "dict":  # free-form mapping: any key, typed values
             node = node[1]
             continue
@@ -189,7 +295,7 @@ def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = (
         node = _unwrap(_field_type(node, part))
 
 
-def check_overrides(overrides: list[str], groups: tuple[str, ...]) -> None:
+def check_overrides(overrides: list[str], groups: tuple[str, ...], default_drafter: str = "eagle") -> None:
     """Check ``key=value`` command-line overrides against the schema before Hydra composes.
 
     Group selections (``drafter=eagle``), Hydra's own keys (``hydra.*``) and additions (``+key=...``)
@@ -202,6 +308,11 @@ def check_overrides(overrides: list[str], groups: tuple[str, ...]) -> None:
         if key in groups or "/" in key or key.split(".")[0] in ("hydra",):
             continue
         if key.split(".")[0] in groups and key.split(".")[0] not in {f.name for f in fields(Config)}:
+            continue
+        if key.startswith("drafter."):
+            chosen = next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), default_drafter)
+            if chosen in DRAFTER_SCHEMAS and "," not in chosen:
+                check_key_path(key.split(".", 1)[1], drafter_config_class(chosen), (), base="drafter")
             continue
         check_key_path(key, Config, groups)
 

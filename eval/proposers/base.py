@@ -1,0 +1,125 @@
+"""The proposer interface used by :class:`eval.decoder.SpeculativeDecoder`.
+
+A proposer produces a draft (:class:`eval.tree.DraftTree`, a chain or a tree) for the target to
+verify.  The decoder owns the target, its KV cache, sampling and verification; the proposer owns
+whatever it needs to draft (a small model and its cache, an n-gram index, EAGLE / Medusa heads).
+
+Protocol, per generation::
+
+    setup(temperature, top_p, generator)      # decoder's sampling settings (default: stored)
+    begin(prompt_ids, target_out)             # after the target prefill
+    loop:
+        tree = propose(context)               # context = prompt + every committed token
+        ... decoder verifies tree in one target forward ...
+        commit(context, n_new, hidden)        # context now includes the n_new new tokens
+
+Hidden-state invariant (for feature-level drafters such as EAGLE / EAGLE-3 / Medusa): after
+``begin`` and after every ``commit`` the proposer has been given the target hidden states of
+``context[:-1]`` -- every committed token except the last one, which the target has not processed
+yet (it is the root of the next draft).  ``begin`` delivers the prompt rows, each ``commit`` the
+rows of ``context[-n_new - 1 : -1]`` (the previous root plus the accepted draft tokens), taken from
+the verification forward pass, so no extra target computation is needed.
+
+Hidden-state dicts (``TargetOutput.hidden_states`` and ``commit``'s argument) map
+
+* ``"last"`` -> ``[n, H]`` the final hidden states (after the final norm, the ``lm_head`` input);
+* ``l`` (int, for every ``l`` in ``proposer.aux_hidden_layers``) -> ``[n, H]`` =
+  ``outputs.hidden_states[l]`` of the HF forward with ``output_hidden_states=True`` (0 = embeddings,
+  ``l`` = output of decoder layer ``l``; in transformers 5.x the last entry is post-norm).
+
+They are only computed when ``needs_hidden_states`` is true (``None`` is passed otherwise).
+
+References: Leviathan et al. 2023 (draft models); Saxena 2023 (prompt lookup decoding);
+Cai et al. 2024 (Medusa); Li et al. 2024 (EAGLE, EAGLE-2) and 2025 (EAGLE-3).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from eval.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Proposer", "TargetOutput"]
+
+
+@dataclass
+class TargetOutput:
+    """What the decoder hands to :meth:`Proposer.begin` after the target prefill.
+
+    Attributes:
+        logits: ``[T, V]`` target logits of the prompt positions.
+        hidden_states: ``None`` unless the proposer ``needs_hidden_states``; else a dict as described
+            in the module docstring with ``[T, H]`` tensors for the ``T`` prompt positions.
+    """
+
+    logits: torch.Tensor
+    hidden_states: dict[int | str, torch.Tensor] | None = None
+
+
+class Proposer(ABC):
+    """Base class for draft proposers (draft model, prompt lookup, EAGLE / Medusa heads, ...).
+
+    Class attributes to override:
+        name: short identifier used in logs / result tables.
+        needs_hidden_states: ask the decoder for target hidden states (costs nothing extra in
+            compute, only ``output_hidden_states=True`` memory).
+        aux_hidden_layers: indices into HF ``hidden_states`` to deliver besides ``"last"``
+            (EAGLE-3 uses a low, a middle and a high layer); ``None`` for none.
+    """
+
+    name: str = "proposer"
+    needs_hidden_states: bool = False
+    aux_hidden_layers: list[int] | None = None
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    def setup(self, temperature: float, top_p: float, generator: torch.Generator | None) -> None:
+        """Receive the decoder's sampling settings before :meth:`begin` (stored on ``self``).
+
+        A sampling proposer must draw its randomness from ``generator`` only and, when it samples
+        its drafts, return the distributions it sampled from in ``DraftTree.draft_probs``.
+        """
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generator = generator
+
+    @abstractmethod
+    def begin(self, prompt_ids: torch.Tensor, target_out: TargetOutput) -> None:
+        """Start a new generation; called once after the target prefill.
+
+        Args:
+            prompt_ids: ``LongTensor[T]`` the prompt.
+            target_out: prefill outputs (hidden states only if ``needs_hidden_states``).
+        """
+
+    @abstractmethod
+    def propose(self, context: torch.Tensor) -> DraftTree:
+        """Draft continuations of ``context`` (``LongTensor[T]``, prompt + committed tokens).
+
+        The root of the returned tree is ``context[-1]``.  An empty tree is allowed.  The decoder
+        may drop nodes deeper than the remaining token budget.
+        """
+
+    def commit(
+        self,
+        context: torch.Tensor,
+        n_new: int,
+        hidden_states_of_accepted: dict[int | str, torch.Tensor] | None,
+    ) -> None:
+        """Called after every verification step (default: no-op).
+
+        Args:
+            context: ``LongTensor[T']`` the new committed context (``n_new`` tokens longer).
+            n_new: tokens appended this step (accepted draft tokens + 1 bonus/correction token).
+            hidden_states_of_accepted: ``None`` unless ``needs_hidden_states``; else ``[n_new, H]``
+                tensors for positions ``context[-n_new - 1 : -1]`` (see module docstring).
+        """
+        return None

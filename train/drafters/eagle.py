@@ -1,0 +1,185 @@
+"""EAGLE feature head (EAGLE-1 weights; decoded as EAGLE-2 with dynamic trees, or as a chain).
+
+Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (ICML 2024) and
+"EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees" (EMNLP 2024).
+
+The head predicts the target's next *feature* (its final hidden state, the LM head's input) from the
+current feature and the embedding of the token that follows it::
+
+    f_hat[t+1] = layer( fc([embed(x[t+1]), f[t]]) )        fc: 2H -> H (with bias)
+    draft logits[t+1] = target.lm_head(f_hat[t+1])         predicts x[t+2]
+
+Loss (on target-written tokens only, the synth loss mask): ``w_reg * SmoothL1(f_hat, f) +
+w_ce * CE(lm_head(f_hat), softmax(lm_head(f)))``. Drafting feeds the head its own predicted features.
+Decoding with any of its trees is exact (lossless): the target verifies every draft token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from train.config import ConfigError
+from train.drafters.layers import KV, DraftLayer
+from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EagleConfig:
+    """EAGLE-1/2 head and its decoding settings."""
+
+    name: str = "eagle"
+    num_layers: int = 1
+    regression_weight: float = 1.0
+    """Weight of the SmoothL1 feature-regression loss (EAGLE: 1.0)."""
+    ce_weight: float = 0.1
+    """Weight of the cross-entropy against the target's next-token distribution (EAGLE: 0.1)."""
+    init_from_target: bool = True
+    """Initialise the decoder layer from the target's last layer (faster convergence on small budgets)."""
+    decode: str = "tree"
+    """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic) | chain."""
+    chain_k: int = 5
+    tree_depth: int = 5
+    tree_top_k: int = 4
+    tree_total_tokens: int = 16
+
+
+def _target_config(target: Any) -> Any:
+    return target.config
+
+
+class EagleHead(nn.Module):
+    """The EAGLE-1 head. Parameter names follow the EAGLE repository's checkpoints."""
+
+    def __init__(self, config: Any, num_layers: int = 1) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's embeddings
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.layers = nn.ModuleList([DraftLayer(config, input_norm=i > 0) for i in range(num_layers)])
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[KV] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """features: ``[B, T, H]`` f[t]; next_ids: ``[B, T]`` x[t+1]; position_ids: ``[B, T]`` (= t).
+
+        Returns predicted features ``[B, T, H]`` (f_hat[t+1]) and each layer's keys/values.
+        """
+        emb = self.embed_tokens(next_ids).to(features.dtype)
+        x = self.fc(torch.cat([emb, features], dim=-1))
+        cos, sin = self.rotary(x, position_ids)
+        kvs: list[KV] = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, None if past is None else past[i], mask)
+            kvs.append(kv)
+        return x, kvs
+
+
+def build(cfg: EagleConfig, target: Any) -> EagleHead:
+    tcfg = _target_config(target)
+    if cfg.num_layers < 1:
+        raise ConfigError(f"drafter.num_layers={cfg.num_layers} must be >= 1")
+    head = EagleHead(tcfg, cfg.num_layers)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        if cfg.init_from_target:
+            src = target.model.layers[-1].state_dict()
+            for layer in head.layers:
+                own = layer.state_dict()
+                layer.load_state_dict({k: v for k, v in src.items() if k in own}, strict=False)
+    dtype = next(target.parameters()).dtype
+    return head.to(dtype)
+
+
+def loss_fn(
+    head: nn.Module, batch: TrainBatch, feats: TargetFeatures, cfg: EagleConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """EAGLE loss over positions t = 0..L-3 (predicting f[t+1] and the token x[t+2])."""
+    f = feats.hidden_states[-1]  # [B, L, H] post-norm features (the LM head's input)
+    B, L, _ = f.shape
+    ids = batch.input_ids
+    pos = torch.arange(L - 1, device=ids.device).expand(B, -1)
+    pred, _ = head(f[:, :-1], ids[:, 1:], pos)  # [B, L-1, H]: f_hat[1..L-1]
+    pred, target_f = pred[:, :-1], f[:, 1:-1]  # drop the last position (its next token is unknown)
+    mask = (batch.loss_mask[:, 2:] * batch.attention_mask[:, 2:]).to(pred.dtype)  # x[t+2] target-written
+    denom = mask.sum().clamp_min(1.0)
+    reg = (F.smooth_l1_loss(pred.float(), target_f.float(), reduction="none").mean(-1) * mask).sum() / denom
+    with torch.no_grad():
+        t_logits = feats.lm_head(target_f).float()
+        t_logp = torch.log_softmax(t_logits, -1)
+    d_logp = torch.log_softmax(feats.lm_head(pred).float(), -1)
+    ce = (-(t_logp.exp() * d_logp).sum(-1) * mask).sum() / denom
+    loss = cfg.regression_weight * reg + cfg.ce_weight * ce
+    with torch.no_grad():
+        acc = ((d_logp.argmax(-1) == t_logits.argmax(-1)).float() * mask).sum() / denom
+    return loss, {"loss_reg": reg.detach(), "loss_ce": ce.detach(), "acc_top1_pos1": acc, "tokens": mask.sum()}
+
+
+def save(head: nn.Module, directory: str, cfg: EagleConfig) -> None:
+    """EAGLE layout: ``config.json`` (a LlamaConfig with one layer) + ``model.safetensors``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "drafter": "eagle"})
+    tcfg = head.config.to_dict()
+    tcfg.update({"num_hidden_layers": cfg.num_layers, "architectures": ["LlamaForCausalLMEagle"]})
+    tcfg["draftsmith"] = {"drafter": asdict(cfg)}
+    (out / "config.json").write_text(json.dumps(tcfg, indent=2, default=str), encoding="utf-8")
+
+
+def load(directory: str, target: Any, cfg: EagleConfig | None = None) -> EagleHead:
+    path = Path(directory)
+    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    saved = EagleConfig(**meta.get("draftsmith", {}).get("drafter", {}))
+    cfg = cfg or saved
+    tcfg = _target_config(target)
+    if meta.get("hidden_size") != tcfg.hidden_size or meta.get("vocab_size") != tcfg.vocab_size:
+        raise ValueError(
+            f"EAGLE head in {path} was trained for hidden_size={meta.get('hidden_size')}, "
+            f"vocab_size={meta.get('vocab_size')}; this target has {tcfg.hidden_size}, {tcfg.vocab_size}"
+        )
+    head = EagleHead(tcfg, saved.num_layers)
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"EAGLE checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    return head.to(next(target.parameters()).dtype).eval()
+
+
+def make_proposer(head: nn.Module, target: Any, cfg: EagleConfig) -> Any:
+    from eval.proposers.feature_head import FeatureHeadProposer
+
+    return FeatureHeadProposer(head, target.get_output_embeddings(), cfg)
+
+
+SPEC = register(
+    DrafterSpec(
+        name="eagle",
+        config_cls=EagleConfig,
+        build=build,
+        loss=loss_fn,
+        proposer=make_proposer,
+        load=load,
+        save=save,
+    )
+)

@@ -1,0 +1,98 @@
+"""A Llama-style decoder layer for draft heads, with an explicit key/value cache and custom masks.
+
+Weight names match Hugging Face Llama (``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``post_attention_layernorm``) so exported heads load in EAGLE/SGLang/vLLM.
+RoPE, RMSNorm and the MLP are taken from transformers' Llama code (not vendored); attention is written
+here because draft heads need (a) a cache they can extend and drop at will and (b) tree masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+KV = tuple[torch.Tensor, torch.Tensor]
+"""``(keys, values)``, each ``[B, n_kv_heads, S, head_dim]`` (keys already rotated)."""
+
+
+class DraftAttention(nn.Module):
+    """Multi-head attention with grouped KV heads; ``in_features`` may exceed ``hidden`` (EAGLE-3: 2H)."""
+
+    def __init__(self, config: object, in_features: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.n_heads = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.n_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: KV | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KV]:
+        """x: ``[B, T, in]``; mask: bool ``[B or 1, 1, T, S_past + T]`` (True = attend) or None = causal.
+
+        Returns the output ``[B, T, hidden]`` and the keys/values of the past plus these T positions.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        rep = self.n_heads // self.n_kv
+        kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        if mask is None:
+            S = k.shape[2]
+            if S == T:
+                out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+            else:  # causal over new positions, full over the past
+                causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+                out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out), (k, v)
+
+
+class DraftLayer(nn.Module):
+    """One pre-norm Llama decoder layer. ``input_norm=False`` gives EAGLE-1's first layer (no input norm)."""
+
+    def __init__(self, config: object, in_features: int | None = None, input_norm: bool = True) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=eps) if input_norm else None
+        self.self_attn = DraftAttention(config, in_features or hidden)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: KV | None = None,
+        mask: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KV]:
+        """x: ``[B, T, in]``; ``residual`` defaults to ``x`` (EAGLE-3 passes the fused feature instead)."""
+        residual = x if residual is None else residual
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        h, kv = self.self_attn(h, cos, sin, past, mask)
+        h = residual + h
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv

@@ -1,0 +1,85 @@
+"""The drafter registry: one spec per drafter family; the training loop and the eval stage only use specs.
+
+Adding a family means one new module that calls :func:`register` with a :class:`DrafterSpec`; the loop,
+the decoder and the stages do not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from train.config import ConfigError
+
+
+@dataclass
+class TrainBatch:
+    """A padded micro-batch of synth rows (right padding)."""
+
+    input_ids: torch.Tensor
+    """``LongTensor[B, L]``."""
+    attention_mask: torch.Tensor
+    """``LongTensor[B, L]``: 1 for real tokens."""
+    loss_mask: torch.Tensor
+    """``LongTensor[B, L]``: 1 for target-written tokens (the synth loss mask)."""
+
+
+@dataclass
+class TargetFeatures:
+    """What a frozen target forward gives a drafter's loss."""
+
+    hidden_states: tuple[torch.Tensor, ...]
+    """HF ``hidden_states``: ``[B, L, H]`` each; index 0 = embeddings, -1 = final (post-norm) states."""
+    lm_head: torch.nn.Module
+    """The target's (frozen) LM head."""
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Everything the pipeline needs to know about a drafter family."""
+
+    name: str
+    config_cls: type
+    build: Callable[[Any, Any], torch.nn.Module]
+    """``build(drafter_cfg, target_model) -> module``: a new, trainable drafter for this target."""
+    loss: Callable[[torch.nn.Module, TrainBatch, TargetFeatures, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    """``loss(drafter, batch, features, cfg) -> (scalar loss, metrics)``; metrics are detached tensors."""
+    proposer: Callable[[torch.nn.Module, Any, Any], Any]
+    """``proposer(drafter, target_model, drafter_cfg) -> eval.proposers.base.Proposer``."""
+    load: Callable[[str, Any, Any], torch.nn.Module]
+    """``load(directory, target_model, drafter_cfg) -> module`` from a saved drafter directory."""
+    save: Callable[[torch.nn.Module, str, Any], None]
+    """``save(drafter, directory, drafter_cfg)``: safetensors weights + config.json."""
+    exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, DrafterSpec] = {}
+
+
+def register(spec: DrafterSpec) -> DrafterSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"drafter {spec.name!r} is registered twice")
+    if not dataclasses.is_dataclass(spec.config_cls):
+        raise TypeError(f"drafter {spec.name!r}: config_cls must be a dataclass")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _load_builtin() -> None:
+    from train.drafters import eagle  # noqa: F401  (registers itself)
+
+
+def get(name: str) -> DrafterSpec:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ConfigError(f"Unknown drafter {name!r}; registered drafters: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)

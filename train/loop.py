@@ -1,0 +1,455 @@
+"""Stage train: the one training loop for every drafter family (accelerate + DeepSpeed).
+
+``setup -> train -> cleanup``. Drafter differences live in the drafter spec (build, loss, proposer, save);
+this loop owns the data order, the optimizer and schedule, distribution, checkpoints, exact resume,
+held-out acceptance checks and logging. One CPU process here, torchrun/accelerate/srun processes over
+gloo on CPU or NCCL on GPUs elsewhere, with the same code.
+
+Checkpoints (``<run_dir>/checkpoints/step-000100/``) hold the accelerate/DeepSpeed state (weights,
+optimizer, scheduler, RNG) plus ``drafter/`` (safetensors, ready for eval/export) and ``trainer_state.json``
+(step, best held-out tau). Every micro-batch is a pure function of its global index, so ``resume=true``
+continues exactly where the run stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.atomic import atomic_write_json
+from train.batches import BatchPlan, load_rows
+from train.config import Config, ConfigError, DeepSpeedConfig, TrainConfig
+from train.drafters import registry
+from train.drafters.registry import TargetFeatures
+from train.manifest import read_manifest, write_manifest
+from train.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+
+def deepspeed_dict(ds: DeepSpeedConfig, train: TrainConfig, bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed config, built from the Hydra config (the only source of these settings)."""
+    if ds.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage={ds.zero_stage} must be 0, 1, 2 or 3")
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": ds.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "allgather_bucket_size": ds.allgather_bucket_size,
+    }
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if ds.offload_param:
+        if ds.zero_stage != 3:
+            raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    out: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum,
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        out["bf16"] = {"enabled": True}
+    return out
+
+
+def validate_train(cfg: Config) -> None:
+    t = cfg.train
+    errors = []
+    if t.max_steps < 1:
+        errors.append(f"train.max_steps={t.max_steps} must be >= 1")
+    if t.micro_batch_size < 1 or t.grad_accum < 1:
+        errors.append("train.micro_batch_size and train.grad_accum must be >= 1")
+    if t.lr <= 0:
+        errors.append(f"train.lr={t.lr} must be > 0")
+    if t.features not in ("online", "precomputed"):
+        errors.append(f"train.features={t.features!r} must be online or precomputed")
+    if t.features == "precomputed":
+        errors.append("train.features=precomputed is not implemented yet; use train.features=online")
+    if t.dtype not in ("auto", "float32", "bfloat16"):
+        errors.append(f"train.dtype={t.dtype!r} must be auto, float32 or bfloat16")
+    if cfg.drafter is None:
+        errors.append(f"no drafter chosen: add drafter=<{'|'.join(registry.names())}>")
+    if errors:
+        raise ConfigError("Invalid train config:\n  - " + "\n  - ".join(errors))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ensure_dist_env() -> None:
+    """A single process started without a launcher still gets a (1-process) process group."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    if "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) > 1:
+        os.environ.update(
+            RANK=os.environ["SLURM_PROCID"],
+            LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+            WORLD_SIZE=os.environ["SLURM_NTASKS"],
+        )
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def lr_lambda(train: TrainConfig) -> Any:
+    def f(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / max(1, train.warmup_steps)
+        progress = min(1.0, (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps))
+        return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Trainer:
+    """One training run; see the module docstring."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        validate_train(cfg)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.ckpt_root = run_dir / "checkpoints"
+        self.spec = registry.get(cfg.drafter.name)
+        self.stop_signal: int | None = None
+        self.tracker: Tracker | None = None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+        from data.target import load_target
+
+        cfg = self.cfg
+        cuda = torch.cuda.is_available() and cfg.target.device != "cpu"
+        self.bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and cuda)
+        _ensure_dist_env()
+        plugin = None
+        if cfg.deepspeed.enabled:
+            plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_dict(cfg.deepspeed, cfg.train, self.bf16))
+        self.acc = Accelerator(
+            cpu=not cuda,
+            deepspeed_plugin=plugin,
+            gradient_accumulation_steps=cfg.train.grad_accum,
+            mixed_precision="bf16" if self.bf16 else "no",
+            kwargs_handlers=[InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")],
+        )
+        self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        if not self.acc.is_main_process:
+            logging.getLogger().setLevel(logging.WARNING)
+        synth_manifest = read_manifest(Path(cfg.synth_dir) / "manifest.json")
+        tcfg = cfg.target
+        tcfg.device = str(self.acc.device)
+        self.target = load_target(tcfg)
+        if synth_manifest["target"]["fingerprint"] != self.target.fingerprint:
+            raise ConfigError(
+                f"The synth data in {cfg.synth_dir} was made with target fingerprint "
+                f"{synth_manifest['target']['fingerprint']}, but this target is {self.target.fingerprint}: "
+                f"train on data from the same target (run stage=synth with this target)."
+            )
+        self.synth_manifest = synth_manifest
+        rows = load_rows(cfg.synth_dir, cfg.train.max_seq_len)
+        self.plan = BatchPlan(
+            rows, cfg.train.micro_batch_size, cfg.train.bucket_size, cfg.seed, self.target.tokenizer.pad_token_id
+        )
+        torch.manual_seed(cfg.seed)
+        model = self.spec.build(cfg.drafter, self.target.model).float()
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.n_trainable = sum(p.numel() for p in params)
+        opt = torch.optim.AdamW(
+            params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
+        self.model, self.opt = self.acc.prepare(model, opt)
+        self.acc.register_for_checkpointing(self.scheduler)
+        self.step = 0
+        self.best: dict[str, Any] = {"tau": None, "step": None}
+        self.history: list[dict[str, Any]] = []
+        self.losses: list[list[float]] = []
+        self._resume_or_refuse()
+        if self.acc.is_main_process:
+            self.tracker = Tracker(
+                cfg.wandb, self.run_dir, f"{cfg.run_name}-train-{cfg.drafter.name}", cfg.run_name, "train", asdict(cfg)
+            )
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        logger.info(
+            "train %s: %d trainable parameters, %d processes, DeepSpeed %s, %s; %d rows, %d micro-batches/epoch",
+            cfg.drafter.name,
+            self.n_trainable,
+            self.world,
+            f"ZeRO-{cfg.deepspeed.zero_stage}" if cfg.deepspeed.enabled else "off",
+            "bf16" if self.bf16 else "fp32",
+            len(rows),
+            self.plan.per_epoch,
+        )
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        logger.warning("signal %d: checkpointing at the next step, then exiting (resume=true continues)", signum)
+        self.stop_signal = signum
+
+    def _checkpoints(self) -> list[Path]:
+        return sorted(p for p in self.ckpt_root.glob("step-*") if (p / "trainer_state.json").is_file())
+
+    def _resume_or_refuse(self) -> None:
+        existing = self._checkpoints()
+        if not self.cfg.resume:
+            if existing and not self.cfg.overwrite:
+                raise ConfigError(
+                    f"{self.run_dir} already holds checkpoints ({existing[-1].name}): add resume=true to "
+                    f"continue that run, overwrite=true to start again, or use another run_name."
+                )
+            if existing and self.acc.is_main_process:
+                shutil.rmtree(self.ckpt_root, ignore_errors=True)
+            self.acc.wait_for_everyone()
+            return
+        if not existing:
+            logger.warning("resume=true but no checkpoint in %s: starting from step 0", self.ckpt_root)
+            return
+        last = existing[-1]
+        self.acc.load_state(str(last / "state"))
+        state = json.loads((last / "trainer_state.json").read_text(encoding="utf-8"))
+        self.step, self.best, self.history = state["step"], state["best"], state.get("history", [])
+        self.losses = state.get("losses", [])
+        logger.info("resumed from %s (step %d)", last, self.step)
+
+    # -- one optimizer step ----------------------------------------------------------------------
+
+    def _features(self, batch: Any) -> TargetFeatures:
+        with torch.no_grad():
+            out = self.target.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                output_hidden_states=True,
+                use_cache=False,
+            )
+        hs = tuple(h.float() for h in out.hidden_states) if not self.bf16 else out.hidden_states
+        return TargetFeatures(hidden_states=hs, lm_head=self.target.model.get_output_embeddings())
+
+    def _train_step(self) -> dict[str, float]:
+        cfg = self.cfg.train
+        self.model.train()
+        sums: dict[str, float] = {}
+        tokens = 0
+        for a in range(cfg.grad_accum):
+            gi = (self.step * cfg.grad_accum + a) * self.world + self.rank
+            batch = self.plan.batch(gi, self.acc.device)
+            feats = self._features(batch)
+            with self.acc.accumulate(self.model):
+                loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
+                self.acc.backward(loss)
+                if self.acc.sync_gradients and not self.cfg.deepspeed.enabled:
+                    self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.opt.step()
+                self.opt.zero_grad()
+            tokens += int(batch.attention_mask.sum())
+            for k, v in {"loss": loss.detach(), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        self.scheduler.step()
+        vec = torch.tensor([*sums.values(), float(tokens)], dtype=torch.float64, device=self.acc.device)
+        vec = self.acc.reduce(vec, reduction="sum")
+        n = cfg.grad_accum * self.world
+        out = {k: vec[i].item() / (1 if k == "tokens" else n) for i, k in enumerate(sums)}
+        out["seq_tokens"] = vec[-1].item()
+        return out
+
+    # -- checkpoints and held-out checks -----------------------------------------------------------
+
+    def _drafter_copy(self) -> torch.nn.Module:
+        """A plain (unwrapped, gathered under ZeRO-3) copy of the drafter for saving and decoding."""
+        state = self.acc.get_state_dict(self.model)
+        copy = self.spec.build(self.cfg.drafter, self.target.model)
+        if self.acc.is_main_process:
+            copy.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+        return copy.to(self.target.model.dtype).eval()
+
+    def _eval_tau(self, drafter: torch.nn.Module) -> dict[str, Any]:
+        from eval.heldout import load_heldout, measure
+
+        cfg = self.cfg
+        prompts = load_heldout(cfg.synth_dir, self.target.tokenizer, cfg.train.eval_prompts, cfg.data.max_prompt_tokens)
+        proposer = self.spec.proposer(drafter, self.target.model, cfg.drafter)
+        stats, _ = measure(
+            self.target.model,
+            proposer,
+            prompts,
+            cfg.train.eval_max_new_tokens,
+            self.target.tokenizer.eos_token_id,
+            desc=f"held-out tau @ step {self.step}",
+        )
+        return {src: {"tau": s.tau(), "alpha": s.alpha()} for src, s in stats.items()}
+
+    def _save(self, final: bool = False, evaluate: bool = False) -> None:
+        name = f"step-{self.step:06d}"
+        final_dir = self.ckpt_root / name
+        tmp = self.ckpt_root / f".{name}.tmp"
+        if self.acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp / "state"))
+        drafter = self._drafter_copy()
+        if self.acc.is_main_process:
+            self.spec.save(drafter, str(tmp / "drafter"), self.cfg.drafter)
+            if evaluate:
+                heldout = self._eval_tau(drafter)
+                tau = heldout["all"]["tau"]
+                self.history.append({"step": self.step, "heldout": heldout})
+                if self.tracker:
+                    self.tracker.log(
+                        {"heldout/tau": tau, **{f"heldout/tau_{s}": v["tau"] for s, v in heldout.items()}},
+                        step=self.step,
+                    )
+                logger.info(
+                    "step %d: held-out tau %.3f %s", self.step, tau, {s: round(v["tau"], 3) for s, v in heldout.items()}
+                )
+                if self.best["tau"] is None or tau > self.best["tau"]:
+                    self.best = {"tau": tau, "step": self.step, "checkpoint": name}
+            atomic_write_json(
+                tmp / "trainer_state.json",
+                {"step": self.step, "best": self.best, "history": self.history, "losses": self.losses},
+            )
+            shutil.rmtree(final_dir, ignore_errors=True)
+            os.replace(tmp, final_dir)
+            self._prune()
+            if final or evaluate:
+                self._publish_best()
+        self.acc.wait_for_everyone()
+
+    def _prune(self) -> None:
+        keep = {self.best.get("checkpoint")}
+        ckpts = self._checkpoints()
+        for p in ckpts[: max(0, len(ckpts) - self.cfg.train.keep_checkpoints)]:
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _publish_best(self) -> None:
+        """Copy the best (else the latest) checkpoint's drafter to ``<run_dir>/best`` atomically."""
+        from train.atomic import atomic_dir
+
+        name = self.best.get("checkpoint") or self._checkpoints()[-1].name
+        with atomic_dir(self.run_dir / "best") as tmp:
+            shutil.copytree(self.ckpt_root / name / "drafter", tmp, dirs_exist_ok=True)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        cfg = self.cfg.train
+        stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
+        t_start = time.perf_counter()
+        seq_tokens = 0.0
+        window_t, window_tok = time.perf_counter(), 0.0
+        bar = tqdm(
+            total=stop_at,
+            initial=self.step,
+            unit="step",
+            desc="train",
+            dynamic_ncols=True,
+            disable=not self.acc.is_main_process,
+            mininterval=2.0,
+        )
+        start_step = self.step
+        while self.step < stop_at:
+            m = self._train_step()
+            self.step += 1
+            self.losses.append([self.step, m["loss"]])
+            seq_tokens += m["seq_tokens"]
+            window_tok += m["seq_tokens"]
+            bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == stop_at:
+                dt = time.perf_counter() - window_t
+                m["tokens_per_s"] = window_tok / max(dt, 1e-9)
+                m["lr"] = self.scheduler.get_last_lr()[0]
+                window_t, window_tok = time.perf_counter(), 0.0
+                bar.set_postfix(
+                    loss=f"{m['loss']:.3f}",
+                    acc=f"{m.get('acc_top1_pos1', 0):.3f}",
+                    tok_s=f"{m['tokens_per_s']:.0f}",
+                    refresh=False,
+                )
+                logger.info(
+                    "step %d loss %.4f %s",
+                    self.step,
+                    m["loss"],
+                    {k: float(f"{v:.4g}") for k, v in m.items() if k != "loss"},
+                )
+                if self.tracker:
+                    self.tracker.log({f"train/{k}": v for k, v in m.items()}, step=self.step)
+            if self.stop_signal is not None:
+                self._save()
+                bar.close()
+                raise SystemExit(f"stopped by signal {self.stop_signal} at step {self.step}; resume=true continues")
+            evaluate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0
+            if self.step % cfg.save_every == 0 or evaluate:
+                self._save(evaluate=evaluate)
+        bar.close()
+        elapsed = time.perf_counter() - t_start
+        done = self.step >= cfg.max_steps
+        need_eval = done and (not self.history or self.history[-1]["step"] != self.step)
+        saved = self._checkpoints()
+        if need_eval or not saved or saved[-1].name != f"step-{self.step:06d}":
+            self._save(final=done, evaluate=need_eval)
+        result = {
+            "steps": self.step,
+            "steps_this_process": self.step - start_step,
+            "finished": done,
+            "best": self.best,
+            "trainable_parameters": self.n_trainable,
+            "world_size": self.world,
+            "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
+            "seconds": round(elapsed, 2),
+        }
+        if self.acc.is_main_process:
+            write_manifest(
+                self.run_dir / "manifest.json",
+                "train",
+                self.cfg,
+                inputs={"synth_dir": self.cfg.synth_dir, "synth_plan": self.synth_manifest.get("plan_hash")},
+                target={"name": self.cfg.target.name, "fingerprint": self.target.fingerprint},
+                result=result,
+                history=self.history,
+                losses=self.losses,
+                files={"best": "best/", "checkpoints": "checkpoints/step-*/"},
+            )
+            if self.tracker:
+                self.tracker.summary({"best_tau": self.best["tau"], "best_step": self.best["step"]})
+        return result
+
+    def cleanup(self) -> None:
+        if self.tracker:
+            self.tracker.finish()
+        if hasattr(self, "acc"):
+            self.acc.end_training()
+
+
+def run_train(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    trainer = Trainer(cfg, run_dir)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.cleanup()
