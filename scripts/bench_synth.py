@@ -98,12 +98,13 @@ def trim(row: list[int], eos: int) -> list[int]:
     return row[: row.index(eos) + 1] if eos in row else row
 
 
-def naive_loop(target: Target, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
-    """One prompt at a time, greedy ``generate`` (KV cache on, HF default); returns outputs and seconds."""
+def naive_loop(target: Target, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[float]]:
+    """One prompt at a time, greedy ``generate`` (KV cache on, HF default); returns outputs and per-prompt seconds."""
     tok = target.tokenizer
     outs: list[list[int]] = []
-    t0 = time.perf_counter()
+    secs: list[float] = []
     for ids in prompts:
+        t0 = time.perf_counter()
         x = torch.tensor([ids], device=target.device)
         with torch.inference_mode():
             out = target.model.generate(
@@ -118,7 +119,22 @@ def naive_loop(target: Target, prompts: list[list[int]], max_new_tokens: int) ->
                 eos_token_id=tok.eos_token_id,
             )
         outs.append(trim(out[0, len(ids) :].tolist(), tok.eos_token_id))
-    return outs, time.perf_counter() - t0
+        secs.append(time.perf_counter() - t0)
+    return outs, secs
+
+
+def decode_step_ms(target: Target, prompt: list[int], batch: int, steps: int = 8) -> float:
+    """Milliseconds per KV-cached single-token forward for ``batch`` rows of ``prompt`` (no padding)."""
+    model = target.model
+    x = torch.tensor([prompt] * batch, device=target.device)
+    with torch.inference_mode():
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+            cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t0) / steps * 1000
 
 
 def batched_synth(target: Target, convs: list[Conversation], cfg: SynthConfig, max_prompt_tokens: int) -> Run:
@@ -186,6 +202,7 @@ def main() -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--sweep", default="4,8,16,32", help="batch sizes for the padding/throughput sweep ('' to skip)")
     p.add_argument("--thread-sweep", default="1,2", help="torch threads for the naive-loop comparison ('' to skip)")
+    p.add_argument("--thread-prompts", type=int, default=8, help="prompts for the naive-loop thread comparison")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -212,8 +229,8 @@ def main() -> None:
     # (a) the batched synth path and (b) the naive loop, same prompts, same threads
     batched = batched_synth(target, convs, cfg, args.max_prompt_tokens)
     print(f"load after batched: {load_avg()}")
-    outs, secs = naive_loop(target, prompts, args.max_new_tokens)
-    naive = Run(name="naive loop", threads=args.threads, seconds=secs, outputs=outs)
+    outs, per_prompt = naive_loop(target, prompts, args.max_new_tokens)
+    naive = Run(name="naive loop", threads=args.threads, seconds=sum(per_prompt), outputs=outs)
     print(f"load after naive: {load_avg()}")
     check = compare(batched.outputs, naive.outputs, lengths)
     ratio = batched.tok_s / naive.tok_s
@@ -228,7 +245,7 @@ def main() -> None:
 
     # prefill vs decode for both paths
     pre_b = prefill_seconds(target, prompts, args.batch_size, cfg)
-    _, pre_n = naive_loop(target, prompts, 1)
+    pre_n = sum(naive_loop(target, prompts, 1)[1])
     print(
         f"prefill (+1 token): batched {pre_b:.2f} s of {batched.gen_seconds:.2f} s generation; "
         f"naive {pre_n:.2f} s of {naive.seconds:.2f} s"
@@ -264,21 +281,42 @@ def main() -> None:
             f"; load {load_avg()}"
         )
 
-    # naive loop: torch threads 1 vs 2 (and the batched path at the same thread counts)
+    # one KV-cached decode step vs batch size (prompt: the median-length prompt, no padding)
+    mid = sorted(prompts, key=len)[len(prompts) // 2]
+    step_sizes = sorted({1, *[bs for bs in sizes if bs <= len(convs)], args.batch_size})
+    steps = {bs: decode_step_ms(target, mid, bs) for bs in step_sizes}
+    print(
+        f"decode step ({len(mid)}-token context): "
+        + ", ".join(f"bs={bs} {ms:.0f} ms ({bs / ms * 1000:.0f} tok/s)" for bs, ms in steps.items())
+    )
+
+    # torch threads 1 vs 2: the naive loop (on the first --thread-prompts prompts), the batched path, one decode step
+    k = min(args.thread_prompts, len(prompts))
     threads: list[dict[str, Any]] = []
     for n in [int(s) for s in args.thread_sweep.split(",") if s.strip()]:
         torch.set_num_threads(n)
         warm_up(target, prompts, cfg)
         if n == args.threads:
-            rn, rb = naive, batched
+            sub_outs, sub_secs, rb = naive.outputs[:k], per_prompt[:k], batched
         else:
-            outs, secs = naive_loop(target, prompts, args.max_new_tokens)
-            rn = Run(name="naive loop", threads=n, seconds=secs, outputs=outs)
+            sub_outs, sub_secs = naive_loop(target, prompts[:k], args.max_new_tokens)
             rb = batched_synth(target, convs, cfg, args.max_prompt_tokens)
-        threads.append({"threads": n, "naive_tok_s": rn.tok_s, "batched_tok_s": rb.tok_s})
+        sub_tok_s = sum(len(o) for o in sub_outs) / sum(sub_secs)
+        ms1, msb = decode_step_ms(target, mid, 1), decode_step_ms(target, mid, args.batch_size)
+        threads.append(
+            {
+                "threads": n,
+                "naive_prompts": k,
+                "naive_tok_s": sub_tok_s,
+                "batched_tok_s": rb.tok_s,
+                "decode_step_ms_bs1": ms1,
+                f"decode_step_ms_bs{args.batch_size}": msb,
+            }
+        )
         print(
-            f"threads={n}: naive {rn.tok_s:.1f} tok/s ({rn.seconds:.2f} s), batched bs={args.batch_size} "
-            f"{rb.tok_s:.1f} tok/s ({rb.seconds:.2f} s); load {load_avg()}"
+            f"threads={n}: naive (first {k} prompts) {sub_tok_s:.1f} tok/s, batched bs={args.batch_size} "
+            f"{rb.tok_s:.1f} tok/s ({rb.seconds:.2f} s), decode step bs=1 {ms1:.0f} ms, "
+            f"bs={args.batch_size} {msb:.0f} ms; load {load_avg()}"
         )
     torch.set_num_threads(args.threads)
 
@@ -299,6 +337,7 @@ def main() -> None:
             "identical": check,
             "prefill_seconds": {"batched": pre_b, "naive": pre_n},
             "batch_sweep": sweep,
+            "decode_step_ms": steps,
             "thread_sweep": threads,
             "script_seconds": total,
         }

@@ -50,3 +50,34 @@ def run_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     env["WANDB_MODE"] = "offline"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     yield env
+
+
+SMALL_SYNTH = [
+    "experiment=quickstart",
+    "data.num_prompts=12",
+    "data.max_heldout=2",
+    "data.max_turns=1",
+    "synth.max_new_tokens=24",
+    "synth.chunk_size=12",
+    "data.max_prompt_tokens=200",
+]
+"""A small synth run (12 real conversations, 2 held out per source) shared by the train and eval tests."""
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("synth")
+    env = dict(os.environ, WANDB_MODE="disabled")
+    res = subprocess.run(
+        [sys.executable, "-m", "train", "stage=synth", *SMALL_SYNTH, f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out

@@ -45,9 +45,28 @@ def _stage_train(cfg: Config, run_dir: Path) -> Any:
     return run_train(cfg, run_dir)
 
 
+def _stage_eval(cfg: Config, run_dir: Path) -> Any:
+    from eval.run import run_eval
+
+    return run_eval(cfg, run_dir)
+
+
+def _stage_all(cfg: Config, run_dir: Path) -> Any:
+    """synth -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
+    runs/<run_name>/{synth,train,eval}, where the single-stage commands look for them."""
+    base = run_dir.parent if run_dir.name == "all" else run_dir
+    cfg.synth_dir, cfg.train_dir = str(base / "synth"), str(base / "train")
+    logger.info("stage all: synth -> train -> eval under %s", base)
+    _stage_synth(cfg, base / "synth")
+    _stage_train(cfg, base / "train")
+    return _stage_eval(cfg, base / "eval")
+
+
 STAGES: dict[str, tuple[Callable[[Config, Path], Any], str]] = {
     "synth": (_stage_synth, "decode real prompts through the target into training data (+ held-out split)"),
     "train": (_stage_train, "train the drafter (drafter=eagle) on the synth data with accelerate + DeepSpeed"),
+    "eval": (_stage_eval, "held-out acceptance length and speedup of the drafter and its peers"),
+    "all": (_stage_all, "the whole pipeline: synth -> train -> eval"),
     "merge": (_stage_merge, "join the shards of a sharded synth run (SLURM array) and write its manifest"),
 }
 

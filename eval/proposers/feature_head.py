@@ -144,7 +144,7 @@ class FeatureHeadProposer(Proposer):
             pos = torch.tensor([P + depths[e] - 1 for e in expand], device=device)
             anc = tree_attention_mask(parents)[expand][:, run + expand]
             allowed = torch.cat([torch.ones(len(expand), P, dtype=torch.bool), anc], dim=1).to(device)
-            past = committed if run_kv is None or committed is None else _cat_kv(committed, run_kv)
+            past = run_kv if committed is None else (committed if run_kv is None else _cat_kv(committed, run_kv))
             out, kvs = self.head(feats[None], ids[None], pos[None], past=past, mask=allowed[None, None])
             new = [(k[:, :, -len(expand) :], v[:, :, -len(expand) :]) for k, v in kvs]
             run_kv = new if run_kv is None else _cat_kv(run_kv, new)

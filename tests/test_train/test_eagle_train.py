@@ -14,19 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, SMALL_SYNTH
 
 pytestmark = pytest.mark.slow
 
-SYNTH = [
-    "experiment=quickstart",
-    "data.num_prompts=12",
-    "data.max_heldout=2",
-    "data.max_turns=1",
-    "synth.max_new_tokens=24",
-    "synth.chunk_size=12",
-    "data.max_prompt_tokens=200",
-]
 TRAIN = [
     "train.max_steps=6",
     "train.micro_batch_size=2",
@@ -52,16 +43,6 @@ def _ok(proc: subprocess.Popen[str], timeout: int = 900) -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import os
-
-    out = tmp_path_factory.mktemp("synth")
-    env = dict(os.environ, WANDB_MODE="disabled")
-    _ok(_run(["stage=synth", *SYNTH, f"hydra.run.dir={out}"], env))
-    return out
-
-
 def _losses(run_dir: Path) -> list[float]:
     return [loss for _, loss in json.loads((run_dir / "manifest.json").read_text())["losses"]]
 
@@ -69,7 +50,7 @@ def _losses(run_dir: Path) -> list[float]:
 def test_loss_falls_two_processes_match_and_resume_is_exact(
     synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
 ) -> None:
-    base = [*SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN]
+    base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN]
     # One process, ZeRO-2, global batch = 2 micro-batches (grad_accum=2).
     one = tmp_path / "one"
     _ok(_run([*base, "train.grad_accum=2", f"hydra.run.dir={one}"], run_env))

@@ -1,0 +1,399 @@
+"""Stage eval: held-out acceptance length (tau) and wall-clock speedup of every proposer, same prompts.
+
+For each data source of the held-out split it runs plain target decoding (the baseline) and each proposer
+(the trained drafter as a chain and as a tree, prompt lookup, a standalone draft model, and HF's assisted
+generation / prompt lookup as peers), then reports per source: tau (mean and distribution), per-position
+acceptance alpha_i, draft tokens per step, target forwards, tokens/s, speedup over plain decoding, the
+draft cost ratio c = T_draft / T_target and the speedup the analytic model predicts from alpha and c.
+Outputs: ``metrics.json``, ``table.md`` (also printed), ``acceptance.png``; W&B when on.
+
+Conventions: tau = tokens emitted per target verification pass, bonus token included (plain decoding has
+tau = 1); alpha_i = P(draft position i accepted | position i-1 accepted). See :mod:`eval.metrics`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from data.target import Target, load_target
+from eval.heldout import Prompt, load_heldout
+from eval.metrics import DecodeStats, expected_tokens_per_step
+from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from train.config import Config, ConfigError
+from train.manifest import write_manifest
+from train.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+PROPOSERS = ("drafter", "prompt_lookup", "draft_model", "hf_assisted", "hf_prompt_lookup")
+
+
+@dataclass
+class Result:
+    """One method's decoding of every prompt."""
+
+    name: str
+    stats: dict[str, DecodeStats] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    k: int | None = None
+    """Chain length (for the analytic model); None for trees and peers."""
+
+
+GenerateFn = Callable[[Prompt, torch.Tensor], tuple[list[int], DecodeStats]]
+
+
+def run_method(name: str, prompts: list[Prompt], fn: GenerateFn, k: int | None = None) -> Result:
+    res = Result(name=name, k=k)
+    per: dict[str, list[DecodeStats]] = {}
+    for p in tqdm(prompts, desc=f"eval {name}", unit="prompt", mininterval=5.0):
+        tokens, stats = fn(p, torch.tensor([p.input_ids]))
+        per.setdefault(p.source, []).append(stats)
+        res.outputs[f"{p.source}:{p.id}"] = tokens
+    res.stats = {s: DecodeStats.merge_all(v) for s, v in per.items()}
+    res.stats["all"] = DecodeStats.merge_all([x for v in per.values() for x in v])
+    return res
+
+
+def _ours(target: Target, proposer: Any, cfg: Config) -> GenerateFn:
+    from eval.decoder import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target.model, proposer, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p)
+
+    def fn(p: Prompt, ids: torch.Tensor) -> tuple[list[int], DecodeStats]:
+        gen = torch.Generator().manual_seed(cfg.eval.seed) if cfg.eval.temperature > 0 else None
+        r = dec.generate(ids, cfg.eval.max_new_tokens, target.tokenizer.eos_token_id, gen)
+        return r.tokens, r.stats
+
+    return fn
+
+
+def _plain(target: Target, cfg: Config) -> GenerateFn:
+    from eval.decoder import plain_decode
+
+    def fn(p: Prompt, ids: torch.Tensor) -> tuple[list[int], DecodeStats]:
+        gen = torch.Generator().manual_seed(cfg.eval.seed) if cfg.eval.temperature > 0 else None
+        r = plain_decode(
+            target.model,
+            ids,
+            cfg.eval.max_new_tokens,
+            target.tokenizer.eos_token_id,
+            cfg.eval.temperature,
+            cfg.eval.top_p,
+            gen,
+        )
+        return r.tokens, r.stats
+
+    return fn
+
+
+def _hf_peer(target: Target, run: Callable[[torch.Tensor, int], Any], max_new_tokens: int) -> GenerateFn:
+    """Run an HF generation on ``prompt + [first token]``, the first token from an (untimed) prefill.
+
+    Our decoder emits the first token from its prefill and drafts afterwards; HF's first forward verifies
+    ``prompt + draft``. Starting HF one token later makes both take the same drafts and verdicts, so their
+    tau are directly comparable (HF's first forward is then its prefill and its first verification).
+    """
+    eos = target.tokenizer.eos_token_id
+
+    def fn(p: Prompt, ids: torch.Tensor) -> tuple[list[int], DecodeStats]:
+        with torch.inference_mode():
+            first = int(target.model(input_ids=ids.to(target.device)).logits[0, -1].argmax())
+        n = max_new_tokens - 1
+        if first == eos or n == 0:
+            return [first], DecodeStats(n_sequences=1, new_tokens=1)
+        r = run(torch.cat([ids, torch.tensor([[first]])], dim=1), n)
+        r.stats.new_tokens += 1
+        return [first, *r.tokens], r.stats
+
+    return fn
+
+
+def load_draft_model(spec: str, target: Target) -> torch.nn.Module:
+    """A standalone draft: a HF directory, or ``target_layers:N`` (the target's first N layers + its head)."""
+    from transformers import AutoModelForCausalLM
+
+    if spec.startswith("target_layers:"):
+        n = int(spec.split(":", 1)[1])
+        conf = copy.deepcopy(target.model.config)
+        conf.num_hidden_layers = n
+        draft = AutoModelForCausalLM.from_config(conf, dtype=target.model.dtype)
+        missing, _ = draft.load_state_dict(target.model.state_dict(), strict=False)
+        if [k for k in missing if "lm_head" not in k]:
+            raise RuntimeError(f"could not copy target layers into the draft: missing {missing}")
+        draft.tie_weights()
+        return draft.eval().requires_grad_(False)
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"eval.draft_model={spec!r} does not exist (a HF directory, or target_layers:N)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=target.model.dtype).eval()
+
+
+def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, Any]:
+    """Load a saved drafter directory: (spec, module, drafter config)."""
+    from train.drafters import registry
+
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"No drafter checkpoint in {path}: run stage=train for this run_name first, or set eval.drafter_dir"
+        )
+    meta = json.loads((path / "config.json").read_text(encoding="utf-8")).get("draftsmith", {}).get("drafter")
+    if not meta:
+        raise ValueError(f"{path}/config.json does not say which drafter family it holds (draftsmith.drafter)")
+    spec = registry.get(meta["name"])
+    dcfg = spec.config_cls(**meta)
+    return spec, spec.load(str(path), target.model, dcfg), dcfg
+
+
+def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, int | None]]:
+    """The proposers named in ``eval.proposers``, as (name, generate function, chain K)."""
+    from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
+    from eval.proposers import DraftModelProposer, PromptLookupProposer
+
+    e = cfg.eval
+    unknown = [p for p in e.proposers if p not in PROPOSERS]
+    if unknown:
+        raise ConfigError(f"eval.proposers: unknown {unknown}; valid: {', '.join(PROPOSERS)}")
+    if e.decode not in ("chain", "tree", "both"):
+        raise ConfigError(f"eval.decode={e.decode!r} must be chain, tree or both")
+    if any(p in e.proposers for p in ("draft_model", "hf_assisted")) and not e.draft_model:
+        raise ConfigError(
+            "eval.proposers has draft_model/hf_assisted but eval.draft_model is not set "
+            "(a HF directory with the target's tokenizer, or target_layers:N)"
+        )
+    if e.temperature > 0 and any(p.startswith("hf_") for p in e.proposers):
+        raise ConfigError("HF peers are greedy-only here: use eval.temperature=0 or drop hf_* from eval.proposers")
+    modes = ["chain", "tree"] if e.decode == "both" else [e.decode]
+    eos = target.tokenizer.eos_token_id
+    methods: list[tuple[str, GenerateFn, int | None]] = []
+    draft: torch.nn.Module | None = None
+    if e.draft_model:
+        draft = load_draft_model(e.draft_model, target)
+    for name in e.proposers:
+        if name == "drafter":
+            spec, module, dcfg = load_drafter(e.drafter_dir or f"{cfg.train_dir}/best", target)
+            for mode in modes:
+                d = copy.copy(dcfg)
+                d.decode, d.chain_k = mode, e.k
+                label = f"{dcfg.name}_{mode}" + (f"_k{e.k}" if mode == "chain" else "")
+                methods.append(
+                    (
+                        label,
+                        _ours(target, spec.proposer(module, target.model, d), cfg),
+                        e.k if mode == "chain" else None,
+                    )
+                )
+        elif name == "prompt_lookup":
+            prop = PromptLookupProposer(num_tokens=e.k, max_ngram=e.prompt_lookup_max_ngram)
+            methods.append((f"prompt_lookup_k{e.k}", _ours(target, prop, cfg), e.k))
+        elif name == "draft_model":
+            assert draft is not None
+            for mode in modes:
+                prop = DraftModelProposer(
+                    draft, target.model.config.vocab_size, num_tokens=e.k, mode=mode, target_tokenizer=target.tokenizer
+                )
+                methods.append(
+                    (
+                        f"draft_model_{mode}" + (f"_k{e.k}" if mode == "chain" else ""),
+                        _ours(target, prop, cfg),
+                        e.k if mode == "chain" else None,
+                    )
+                )
+        elif name == "hf_assisted":
+            assert draft is not None
+
+            def assisted(ids: torch.Tensor, n: int, dm: torch.nn.Module = draft) -> Any:
+                return hf_assisted_generate(target.model, dm, ids, n, e.k, eos)
+
+            methods.append((f"hf_assisted_k{e.k}", _hf_peer(target, assisted, e.max_new_tokens), e.k))
+        elif name == "hf_prompt_lookup":
+
+            def lookup(ids: torch.Tensor, n: int) -> Any:
+                return hf_prompt_lookup_generate(target.model, ids, n, e.k, eos_token_id=eos)
+
+            methods.append((f"hf_prompt_lookup_k{e.k}", _hf_peer(target, lookup, e.max_new_tokens), e.k))
+    return methods
+
+
+def summarise(res: Result, base: Result) -> dict[str, Any]:
+    """Per-source figures of one method against the plain-decoding baseline of the same run.
+
+    Cost model (Leviathan et al., 2023, with the verification cost measured rather than assumed equal to
+    one decoding forward): a step costs one verification forward ``T_verify`` plus the drafting ``T_draft``;
+    plain decoding costs ``T_plain`` per token. ``c = T_draft per draft token / T_plain`` and
+    ``v = T_verify / T_plain``; predicted speedup = E[tokens per step] / (v + k c) for chains (E from the
+    measured alpha_i) and tau / (v + T_draft / T_plain) for trees. HF peers do not split draft time (c = NaN).
+    """
+    out: dict[str, Any] = {}
+    for src, s in res.stats.items():
+        b = base.stats[src]
+        tps = s.new_tokens / s.total_time_s if s.total_time_s > 0 else math.nan
+        base_tps = b.new_tokens / b.total_time_s if b.total_time_s > 0 else math.nan
+        steps = max(1, s.verify_steps)
+        t_plain = b.target_time_s / max(1, b.target_forwards)
+        t_verify = s.target_time_s / max(1, s.target_forwards)
+        t_draft = s.draft_time_s / steps  # drafting for one step
+        hf_peer = res.name.startswith("hf_")
+        v = t_verify / t_plain if t_plain > 0 else math.nan
+        c = math.nan if hf_peer else (t_draft / res.k if res.k else t_draft) / t_plain
+        alpha = s.alpha()
+        if hf_peer:
+            predicted, model_tau = math.nan, s.tau()
+        elif res.k and len(alpha) >= res.k and not any(math.isnan(a) for a in alpha[: res.k]):
+            model_tau = expected_tokens_per_step(alpha, res.k)
+            predicted = model_tau / (v + res.k * c)
+        else:  # trees / variable drafts: measured tokens per step over the measured cost of a step
+            model_tau = s.tau()
+            predicted = s.tau() / (v + t_draft / t_plain)
+        hist: dict[int, int] = {}
+        for a in s.accepted_lengths:
+            hist[a + 1] = hist.get(a + 1, 0) + 1
+        same = [k for k in res.outputs if k.startswith(f"{src}:") or src == "all"]
+        identical = sum(res.outputs[k] == base.outputs.get(k) for k in same) / max(1, len(same))
+        out[src] = {
+            "tau": s.tau(),
+            "tau_hist": dict(sorted(hist.items())),
+            "alpha": alpha,
+            "draft_tokens_per_step": s.draft_tokens_proposed / steps,
+            "target_forwards": s.target_forwards,
+            "new_tokens": s.new_tokens,
+            "tokens_per_s": tps,
+            "speedup": tps / base_tps if base_tps and not math.isnan(base_tps) else math.nan,
+            "draft_cost_ratio_c": c,
+            "verify_cost_ratio_v": v,
+            "model_tokens_per_step": model_tau,
+            "predicted_speedup": predicted,
+            "identical_to_plain": identical,
+        }
+    return out
+
+
+def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> str:
+    lines = [
+        "| source | method | tau | alpha_1..3 | draft tok/step | tok/s | speedup | c | v | predicted | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for src in sources:
+        for name, per in metrics.items():
+            m = per.get(src)
+            if m is None:
+                continue
+            al = ", ".join(f"{a:.2f}" for a in m["alpha"][:3]) if m["alpha"] else "-"
+            lines.append(
+                f"| {src} | {name} | {m['tau']:.2f} | {al} | {m['draft_tokens_per_step']:.1f} | "
+                f"{m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['draft_cost_ratio_c']:.3f} | "
+                f"{m['verify_cost_ratio_v']:.2f} | "
+                f"{m['predicted_speedup']:.2f}x | {m['identical_to_plain']:.0%} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, per in metrics.items():
+        m = per["all"]
+        if name == "plain" or not m["alpha"]:
+            continue
+        ax1.plot(range(1, len(m["alpha"]) + 1), m["alpha"], marker="o", label=name)
+        total = sum(m["tau_hist"].values())
+        xs = sorted(m["tau_hist"])
+        ax2.plot(xs, [m["tau_hist"][x] / total for x in xs], marker=".", label=f"{name} (tau {m['tau']:.2f})")
+    ax1.set(xlabel="draft position i", ylabel="alpha_i", title="per-position acceptance", ylim=(0, 1.02))
+    ax2.set(xlabel="tokens per target forward", ylabel="fraction of steps", title="acceptance length")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def select_prompts(cfg: Config, target: Target) -> list[Prompt]:
+    return load_heldout(cfg.synth_dir, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)
+
+
+def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[str, Any]:
+    e = cfg.eval
+    if e.max_new_tokens < 1 or e.k < 1:
+        raise ConfigError("eval.max_new_tokens and eval.k must be >= 1")
+    t0 = time.perf_counter()
+    target = target or load_target(cfg.target)
+    prompts = select_prompts(cfg, target)
+    methods = build_methods(cfg, target)  # check every proposer before the expensive runs
+    sources = [*sorted({p.source for p in prompts}), "all"]
+    logger.info(
+        "eval: %d held-out prompts (%s), %d methods, %d new tokens each",
+        len(prompts),
+        ", ".join(sources[:-1]),
+        len(methods),
+        e.max_new_tokens,
+    )
+    _plain(target, cfg)(prompts[0], torch.tensor([prompts[0].input_ids[-64:]]))  # warm-up, untimed
+    base = run_method("plain", prompts, _plain(target, cfg))
+    results = [run_method(n, prompts, fn, k) for n, fn, k in methods]
+    metrics = {"plain": summarise(base, base), **{r.name: summarise(r, base) for r in results}}
+    table = markdown_table(metrics, sources)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        run_dir / "metrics.json", {"settings": asdict(e), "num_prompts": len(prompts), "metrics": metrics}
+    )
+    atomic_write_text(run_dir / "table.md", table + "\n")
+    if e.plot:
+        plot(metrics, run_dir / "acceptance.png")
+    write_manifest(
+        run_dir / "manifest.json",
+        "eval",
+        cfg,
+        target={"name": cfg.target.name, "fingerprint": target.fingerprint},
+        inputs={"synth_dir": cfg.synth_dir},
+        timings={"seconds": round(time.perf_counter() - t0, 2)},
+        files={"metrics": "metrics.json", "table": "table.md", "plot": "acceptance.png"},
+    )
+    tracker = Tracker(cfg.wandb, run_dir, f"{cfg.run_name}-eval", cfg.run_name, "eval", asdict(cfg))
+    try:
+        flat = {
+            f"{name}/{src}/{k}": v
+            for name, per in metrics.items()
+            for src, m in per.items()
+            for k, v in m.items()
+            if isinstance(v, int | float)
+        }
+        tracker.log(flat)
+        if tracker.run is not None:
+            import wandb
+
+            cols = ["source", "method", "tau", "speedup", "predicted_speedup", "draft_cost_ratio_c"]
+            tracker.log(
+                {
+                    "eval_table": wandb.Table(
+                        columns=cols,
+                        data=[
+                            [src, name, m["tau"], m["speedup"], m["predicted_speedup"], m["draft_cost_ratio_c"]]
+                            for name, per in metrics.items()
+                            for src, m in per.items()
+                        ],
+                    )
+                }
+            )
+            if e.plot:
+                tracker.log({"acceptance": wandb.Image(str(run_dir / "acceptance.png"))})
+    finally:
+        tracker.finish()
+    logger.info("held-out acceptance (tau = tokens per target forward, bonus included):\n%s", table)
+    return metrics

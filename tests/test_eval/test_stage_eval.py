@@ -1,0 +1,96 @@
+"""Stage eval end to end on the real target and real held-out traffic: every method lossless at T=0,
+tau/alpha/speedup/c reported per source, our tau == HF assisted generation's for the same draft and K."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SMALL_SYNTH
+
+pytestmark = pytest.mark.slow
+
+
+def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_env: dict[str, str], target) -> None:
+    from train.drafters import registry
+
+    spec = registry.get("eagle")
+    cfg = spec.config_cls(tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+    spec.save(spec.build(cfg, target.model), str(tmp_path / "train" / "best"), cfg)  # an untrained head
+    out = tmp_path / "eval"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "stage=eval",
+            *SMALL_SYNTH,
+            f"synth_dir={synth_dir}",
+            f"train_dir={tmp_path / 'train'}",
+            f"hydra.run.dir={out}",
+            "eval.num_prompts=1",
+            "eval.max_new_tokens=12",
+            "eval.k=3",
+            "eval.draft_model=target_layers:3",
+            "wandb.mode=offline",
+            "eval.proposers=[drafter,prompt_lookup,draft_model,hf_assisted,hf_prompt_lookup]",
+        ],
+        cwd=REPO,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    expected = {
+        "plain",
+        "eagle_chain_k3",
+        "eagle_tree",
+        "prompt_lookup_k3",
+        "draft_model_chain_k3",
+        "draft_model_tree",
+        "hf_assisted_k3",
+        "hf_prompt_lookup_k3",
+    }
+    assert set(metrics) == expected
+    for name, per in metrics.items():
+        assert {"sharegpt", "humaneval", "all"} <= set(per), name
+        for src, m in per.items():
+            assert m["identical_to_plain"] == 1.0, (name, src)  # lossless at temperature 0
+            assert m["tau"] >= 1.0 and m["tokens_per_s"] > 0 and m["speedup"] > 0
+    assert all(m["tau"] == 1.0 for m in metrics["plain"].values())
+    # Same draft model, same K, greedy: HF assisted generation takes the same drafts and verdicts.
+    ours, hf = metrics["draft_model_chain_k3"]["all"], metrics["hf_assisted_k3"]["all"]
+    assert ours["tau"] == pytest.approx(hf["tau"]) and ours["tau_hist"] == hf["tau_hist"]
+    assert ours["alpha"] == pytest.approx(hf["alpha"], nan_ok=True)
+    assert metrics["eagle_chain_k3"]["all"]["draft_cost_ratio_c"] > 0
+    table = (out / "table.md").read_text()
+    assert "| all | eagle_tree |" in table and "speedup" in table
+    assert (out / "acceptance.png").stat().st_size > 5000
+    assert list((out / "wandb").glob("offline-run-*"))  # a real offline W&B run was written
+    assert "held-out acceptance" in res.stderr + res.stdout
+
+
+def test_eval_refuses_bad_settings_before_work(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "stage=eval",
+            f"synth_dir={synth_dir}",
+            f"hydra.run.dir={tmp_path}",
+            "eval.proposers=[hf_assisted]",
+        ],
+        cwd=REPO,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode != 0 and "eval.draft_model is not set" in res.stderr
