@@ -39,6 +39,12 @@ def _stage_merge(cfg: Config, run_dir: Path) -> Any:
     return merge(cfg, Path(cfg.synth_dir))
 
 
+def _stage_features(cfg: Config, run_dir: Path) -> Any:
+    from data.features import run_features
+
+    return run_features(cfg, run_dir)
+
+
 def _stage_train(cfg: Config, run_dir: Path) -> Any:
     from train.loop import run_train
 
@@ -64,6 +70,7 @@ def _stage_all(cfg: Config, run_dir: Path) -> Any:
 
 STAGES: dict[str, tuple[Callable[[Config, Path], Any], str]] = {
     "synth": (_stage_synth, "decode real prompts through the target into training data (+ held-out split)"),
+    "features": (_stage_features, "precompute the target hidden states the drafter trains on (optional)"),
     "train": (_stage_train, "train the drafter (drafter=eagle) on the synth data with accelerate + DeepSpeed"),
     "eval": (_stage_eval, "held-out acceptance length and speedup of the drafter and its peers"),
     "all": (_stage_all, "the whole pipeline: synth -> train -> eval"),
@@ -119,6 +126,9 @@ def main(dcfg: DictConfig) -> Any:
 
 
 def cli() -> None:
+    if "stage=help" in sys.argv[1:]:
+        print(stage_help())
+        return
     try:
         preflight(sys.argv[1:])
     except ConfigError as exc:

@@ -83,7 +83,10 @@ class BatchPlan:
 
     def batch(self, i: int, device: torch.device | str = "cpu") -> TrainBatch:
         """Micro-batch ``i`` (global index), right-padded."""
-        rows = [self.rows[k] for k in self.indices(i)]
+        return self.collate([self.rows[k] for k in self.indices(i)], device)
+
+    def collate(self, rows: list[Row], device: torch.device | str = "cpu") -> TrainBatch:
+        """Right-pad ``rows`` into one batch."""
         L = max(len(r.input_ids) for r in rows)
         ids = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), L), dtype=torch.long)

@@ -80,8 +80,6 @@ def validate_train(cfg: Config) -> None:
         errors.append(f"train.lr={t.lr} must be > 0")
     if t.features not in ("online", "precomputed"):
         errors.append(f"train.features={t.features!r} must be online or precomputed")
-    if t.features == "precomputed":
-        errors.append("train.features=precomputed is not implemented yet; use train.features=online")
     if t.dtype not in ("auto", "float32", "bfloat16"):
         errors.append(f"train.dtype={t.dtype!r} must be auto, float32 or bfloat16")
     if cfg.drafter is None:
@@ -171,6 +169,19 @@ class Trainer:
             )
         self.synth_manifest = synth_manifest
         rows = load_rows(cfg.synth_dir, cfg.train.max_seq_len)
+        self.feature_layers = self.spec.feature_layers(cfg.drafter, self.target.model.config)
+        self.store = None
+        if cfg.train.features == "precomputed":
+            from data.features import FeatureStore
+
+            self.store = FeatureStore(
+                cfg.train.features_dir,
+                synth_manifest.get("plan_hash"),
+                self.target.fingerprint,
+                self.feature_layers,
+                len(rows),
+                cfg.train.max_seq_len,
+            )
         self.plan = BatchPlan(
             rows, cfg.train.micro_batch_size, cfg.train.bucket_size, cfg.seed, self.target.tokenizer.pad_token_id
         )
@@ -237,7 +248,20 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------------
 
-    def _features(self, batch: Any) -> TargetFeatures:
+    def _features(self, batch: Any, row_ids: list[int]) -> TargetFeatures:
+        """Target hidden states for the batch: from the features stage's files, or a frozen forward now."""
+        n_layers = self.target.model.config.num_hidden_layers
+        lm_head = self.target.model.get_output_embeddings()
+        B, L = batch.input_ids.shape
+        if self.store is not None:
+            layers: dict[int, torch.Tensor] = {}
+            per_row = [self.store.get(i) for i in row_ids]
+            for layer in self.feature_layers:
+                t = torch.zeros(B, L, per_row[0][layer].shape[-1], dtype=per_row[0][layer].dtype)
+                for b, feats in enumerate(per_row):
+                    t[b, : feats[layer].shape[0]] = feats[layer]
+                layers[layer] = t.to(self.acc.device)
+            return TargetFeatures(layers=layers, num_layers=n_layers, lm_head=lm_head)
         with torch.no_grad():
             out = self.target.model(
                 input_ids=batch.input_ids,
@@ -245,8 +269,8 @@ class Trainer:
                 output_hidden_states=True,
                 use_cache=False,
             )
-        hs = tuple(h.float() for h in out.hidden_states) if not self.bf16 else out.hidden_states
-        return TargetFeatures(hidden_states=hs, lm_head=self.target.model.get_output_embeddings())
+        layers = {i: out.hidden_states[i] for i in self.feature_layers}
+        return TargetFeatures(layers=layers, num_layers=n_layers, lm_head=lm_head)
 
     def _train_step(self) -> dict[str, float]:
         cfg = self.cfg.train
@@ -256,7 +280,7 @@ class Trainer:
         for a in range(cfg.grad_accum):
             gi = (self.step * cfg.grad_accum + a) * self.world + self.rank
             batch = self.plan.batch(gi, self.acc.device)
-            feats = self._features(batch)
+            feats = self._features(batch, self.plan.indices(gi))
             with self.acc.accumulate(self.model):
                 loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
                 self.acc.backward(loss)

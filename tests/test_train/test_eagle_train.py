@@ -123,3 +123,22 @@ def test_eagle_proposer_is_lossless_on_the_real_target(target, decode: str) -> N
         )
         assert res.tokens == ref[: len(res.tokens)] and len(res.tokens) == len(ref)
         assert res.stats.verify_steps >= 1
+
+
+def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+    """stage=features writes the target's hidden states once; training on them matches online features."""
+    feats = tmp_path / "features"
+    out = _ok(
+        _run(
+            [*SMALL_SYNTH, "stage=features", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}", "wandb.mode=disabled"],
+            run_env,
+        )
+    )
+    assert "MB on disk" in out  # the size is announced before the work starts
+    manifest = json.loads((feats / "manifest.json").read_text())
+    assert manifest["layers"] == [30] and manifest["rows"] == 12 and list(feats.glob("part-*.safetensors"))
+    base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "deepspeed=none"]
+    online, pre = tmp_path / "online", tmp_path / "pre"
+    _ok(_run([*base, f"hydra.run.dir={online}"], run_env))
+    _ok(_run([*base, f"hydra.run.dir={pre}", "train.features=precomputed", f"train.features_dir={feats}"], run_env))
+    assert _losses(pre) == pytest.approx(_losses(online), rel=1e-4)

@@ -114,24 +114,26 @@ def loss_fn(
     head: nn.Module, batch: TrainBatch, feats: TargetFeatures, cfg: EagleConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE loss over positions t = 0..L-3 (predicting f[t+1] and the token x[t+2])."""
-    f = feats.hidden_states[-1]  # [B, L, H] post-norm features (the LM head's input)
+    f = feats.last  # [B, L, H] post-norm features (the LM head's input)
     B, L, _ = f.shape
     ids = batch.input_ids
     pos = torch.arange(L - 1, device=ids.device).expand(B, -1)
     pred, _ = head(f[:, :-1], ids[:, 1:], pos)  # [B, L-1, H]: f_hat[1..L-1]
     pred, target_f = pred[:, :-1], f[:, 1:-1]  # drop the last position (its next token is unknown)
-    mask = (batch.loss_mask[:, 2:] * batch.attention_mask[:, 2:]).to(pred.dtype)  # x[t+2] target-written
-    denom = mask.sum().clamp_min(1.0)
-    reg = (F.smooth_l1_loss(pred.float(), target_f.float(), reduction="none").mean(-1) * mask).sum() / denom
+    keep = (batch.loss_mask[:, 2:] * batch.attention_mask[:, 2:]).bool()  # x[t+2] is target-written
+    pred, target_f = pred[keep], target_f[keep]  # [N, H]: the LM head only runs where the loss counts
+    n = max(1, pred.shape[0])
+    reg = F.smooth_l1_loss(pred.float(), target_f.float(), reduction="none").mean(-1).sum() / n
     with torch.no_grad():
         t_logits = feats.lm_head(target_f).float()
-        t_logp = torch.log_softmax(t_logits, -1)
+        t_probs = torch.softmax(t_logits, -1)
     d_logp = torch.log_softmax(feats.lm_head(pred).float(), -1)
-    ce = (-(t_logp.exp() * d_logp).sum(-1) * mask).sum() / denom
+    ce = -(t_probs * d_logp).sum() / n
     loss = cfg.regression_weight * reg + cfg.ce_weight * ce
     with torch.no_grad():
-        acc = ((d_logp.argmax(-1) == t_logits.argmax(-1)).float() * mask).sum() / denom
-    return loss, {"loss_reg": reg.detach(), "loss_ce": ce.detach(), "acc_top1_pos1": acc, "tokens": mask.sum()}
+        acc = (d_logp.argmax(-1) == t_logits.argmax(-1)).float().sum() / n
+        tokens = torch.tensor(float(pred.shape[0]))
+    return loss, {"loss_reg": reg.detach(), "loss_ce": ce.detach(), "acc_top1_pos1": acc, "tokens": tokens}
 
 
 def save(head: nn.Module, directory: str, cfg: EagleConfig) -> None:

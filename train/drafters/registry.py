@@ -30,12 +30,18 @@ class TrainBatch:
 
 @dataclass
 class TargetFeatures:
-    """What a frozen target forward gives a drafter's loss."""
+    """What a frozen target forward gives a drafter's loss (computed online or read from the features stage)."""
 
-    hidden_states: tuple[torch.Tensor, ...]
-    """HF ``hidden_states``: ``[B, L, H]`` each; index 0 = embeddings, -1 = final (post-norm) states."""
+    layers: dict[int, torch.Tensor]
+    """HF ``hidden_states[i]`` for the layers the drafter asked for: ``[B, L, H]`` each; 0 = embeddings,
+    ``num_hidden_layers`` = the final (post-norm) states, the LM head's input."""
+    num_layers: int
     lm_head: torch.nn.Module
     """The target's (frozen) LM head."""
+
+    @property
+    def last(self) -> torch.Tensor:
+        return self.layers[self.num_layers]
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class DrafterSpec:
     """``load(directory, target_model, drafter_cfg) -> module`` from a saved drafter directory."""
     save: Callable[[torch.nn.Module, str, Any], None]
     """``save(drafter, directory, drafter_cfg)``: safetensors weights + config.json."""
+    feature_layers: Callable[[Any, Any], list[int]] = lambda cfg, target_config: [target_config.num_hidden_layers]
+    """Which target hidden states the loss reads (indices into HF ``hidden_states``); default: the last."""
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
 
