@@ -186,7 +186,10 @@ def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, in
             for mode in modes:
                 d = copy.copy(dcfg)
                 d.decode, d.chain_k = mode, e.k
-                label = f"{dcfg.name}_{mode}" + (f"_k{e.k}" if mode == "chain" else "")
+                d.tree_depth = e.tree_depth or d.tree_depth
+                d.tree_top_k = e.tree_top_k or d.tree_top_k
+                d.tree_total_tokens = e.tree_total_tokens or d.tree_total_tokens
+                label = f"{dcfg.name}_{mode}" + (f"_k{e.k}" if mode == "chain" else f"_n{d.tree_total_tokens}")
                 methods.append(
                     (
                         label,
@@ -200,16 +203,19 @@ def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, in
         elif name == "draft_model":
             assert draft is not None
             for mode in modes:
+                n_tree = e.tree_total_tokens or 16
                 prop = DraftModelProposer(
-                    draft, target.model.config.vocab_size, num_tokens=e.k, mode=mode, target_tokenizer=target.tokenizer
+                    draft,
+                    target.model.config.vocab_size,
+                    num_tokens=e.k,
+                    mode=mode,
+                    tree_depth=e.tree_depth or 4,
+                    tree_top_k=e.tree_top_k or 4,
+                    tree_total_tokens=n_tree,
+                    target_tokenizer=target.tokenizer,
                 )
-                methods.append(
-                    (
-                        f"draft_model_{mode}" + (f"_k{e.k}" if mode == "chain" else ""),
-                        _ours(target, prop, cfg),
-                        e.k if mode == "chain" else None,
-                    )
-                )
+                label = f"draft_model_{mode}" + (f"_k{e.k}" if mode == "chain" else f"_n{n_tree}")
+                methods.append((label, _ours(target, prop, cfg), e.k if mode == "chain" else None))
         elif name == "hf_assisted":
             assert draft is not None
 

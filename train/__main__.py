@@ -58,12 +58,15 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
 
 
 def _stage_all(cfg: Config, run_dir: Path) -> Any:
-    """synth -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
+    """synth -> (features) -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
     runs/<run_name>/{synth,train,eval}, where the single-stage commands look for them."""
     base = run_dir.parent if run_dir.name == "all" else run_dir
     cfg.synth_dir, cfg.train_dir = str(base / "synth"), str(base / "train")
     logger.info("stage all: synth -> train -> eval under %s", base)
     _stage_synth(cfg, base / "synth")
+    if cfg.train.features == "precomputed":
+        cfg.train.features_dir = str(base / "features")
+        _stage_features(cfg, base / "features")
     _stage_train(cfg, base / "train")
     return _stage_eval(cfg, base / "eval")
 

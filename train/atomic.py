@@ -42,6 +42,7 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=f".tmp{suffix}", dir=final.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    os.chmod(tmp, 0o644)
     try:
         yield tmp
         with open(tmp, "rb") as fh:

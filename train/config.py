@@ -171,6 +171,12 @@ class EvalConfig:
     """Chain length K for chain proposers."""
     decode: str = "both"
     """chain | tree | both: how the trained drafter drafts."""
+    tree_depth: int | None = None
+    """Tree drafts: maximum depth (None: the drafter's own setting; draft_model: 4)."""
+    tree_top_k: int | None = None
+    """Tree drafts: branching per expanded node (None: the drafter's own setting; draft_model: 4)."""
+    tree_total_tokens: int | None = None
+    """Tree drafts: draft tokens verified per step (None: the drafter's own setting; draft_model: 16)."""
     prompt_lookup_max_ngram: int = 3
     seed: int = 0
     plot: bool = True

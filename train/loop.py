@@ -385,7 +385,7 @@ class Trainer:
         cfg = self.cfg.train
         stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
         t_start = time.perf_counter()
-        seq_tokens = 0.0
+        seq_tokens = sup_tokens = 0.0
         window_t, window_tok = time.perf_counter(), 0.0
         bar = tqdm(
             total=stop_at,
@@ -402,6 +402,7 @@ class Trainer:
             self.step += 1
             self.losses.append([self.step, m["loss"]])
             seq_tokens += m["seq_tokens"]
+            sup_tokens += m.get("tokens", 0.0) * cfg.grad_accum * self.world
             window_tok += m["seq_tokens"]
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == stop_at:
@@ -445,6 +446,7 @@ class Trainer:
             "trainable_parameters": self.n_trainable,
             "world_size": self.world,
             "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
+            "supervised_tokens_per_second": round(sup_tokens / max(elapsed, 1e-9), 2),
             "seconds": round(elapsed, 2),
         }
         if self.acc.is_main_process:

@@ -50,10 +50,10 @@ def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_en
     expected = {
         "plain",
         "eagle_chain_k3",
-        "eagle_tree",
+        "eagle_tree_n6",
         "prompt_lookup_k3",
         "draft_model_chain_k3",
-        "draft_model_tree",
+        "draft_model_tree_n16",
         "hf_assisted_k3",
         "hf_prompt_lookup_k3",
     }
@@ -70,7 +70,7 @@ def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_en
     assert ours["alpha"] == pytest.approx(hf["alpha"], nan_ok=True)
     assert metrics["eagle_chain_k3"]["all"]["draft_cost_ratio_c"] > 0
     table = (out / "table.md").read_text()
-    assert "| all | eagle_tree |" in table and "speedup" in table
+    assert "| all | eagle_tree_n6 |" in table and "speedup" in table
     assert (out / "acceptance.png").stat().st_size > 5000
     assert list((out / "wandb").glob("offline-run-*"))  # a real offline W&B run was written
     assert "held-out acceptance" in res.stderr + res.stdout

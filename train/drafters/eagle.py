@@ -45,8 +45,9 @@ class EagleConfig:
     """Weight of the SmoothL1 feature-regression loss (EAGLE: 1.0)."""
     ce_weight: float = 0.1
     """Weight of the cross-entropy against the target's next-token distribution (EAGLE: 0.1)."""
-    init_from_target: bool = True
-    """Initialise the decoder layer from the target's last layer (faster convergence on small budgets)."""
+    init_from_target: bool = False
+    """Initialise the decoder layer from the target's last layer. Off by default: measured on SmolLM2, the
+    copied layer blows up the head's outputs and top-1 accuracy stays near 0 (random init: 37% in 45 steps)."""
     decode: str = "tree"
     """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic) | chain."""
     chain_k: int = 5
