@@ -226,9 +226,20 @@ def static_tree_paths_to_parents(
 
 
 def _stable_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of a 1-D tensor with ties broken by the lower index (deterministic)."""
-    vals, idx = values.sort(descending=True, stable=True)
-    return vals[:k], idx[:k]
+    """Top-k of a 1-D tensor with ties broken by the lower index (deterministic).
+
+    Exact and O(V): the k-th largest value is found with ``topk``; only the (usually k) entries at or above
+    it are then sorted stably, instead of sorting the whole vocabulary.
+    """
+    if k <= 0 or values.numel() == 0:
+        return values[:0], torch.zeros(0, dtype=torch.long)
+    if k >= values.numel():
+        vals, idx = values.sort(descending=True, stable=True)
+        return vals[:k], idx[:k]
+    kth = values.topk(k).values[-1]
+    cand = torch.nonzero(values >= kth).flatten()  # ascending indices
+    vals, order = values[cand].sort(descending=True, stable=True)
+    return vals[:k], cand[order[:k]]
 
 
 def static_tree(paths: Sequence[Sequence[int]], expand_fn: ExpandFn, root_logprobs: torch.Tensor) -> DraftTree:

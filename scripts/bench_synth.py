@@ -16,7 +16,7 @@ wasted on rows that already ended, tokens/s), splits batched time into prefill a
 default spin-waiting, idle OpenMP workers busy-spin between ops, which on a 2-core machine steals the
 core from the main thread and from anything else running, and makes timings noisy.
 
-Run (about 5-8 minutes on 2 cores)::
+Run (8.5-9 minutes on a shared 2-core machine; ``--threads 1 --sweep 16 --thread-sweep ''``: 3.5)::
 
     DRAFTSMITH_CACHE=/tmp/dscache python scripts/bench_synth.py
 """

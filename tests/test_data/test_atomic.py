@@ -1,0 +1,61 @@
+"""Outputs are atomic: a failed or interrupted write leaves the previous file intact and no partial file;
+a full disk gives a clear error (checked on a real, tiny tmpfs when the machine lets us mount one)."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from train.atomic import DiskFullError, atomic_dir, atomic_write_json, atomic_write_text, atomic_write_with
+
+
+def test_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    f = tmp_path / "out.json"
+    atomic_write_json(f, {"v": 1})
+
+    def broken(tmp: Path) -> None:
+        tmp.write_text("partial")
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_with(f, broken)
+    assert f.read_text().strip().endswith("}") and '"v": 1' in f.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_enospc_becomes_disk_full_error(tmp_path: Path) -> None:
+    def full(tmp: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DiskFullError, match="disk full while writing"):
+        atomic_write_with(tmp_path / "x.bin", full)
+    assert not list(tmp_path.iterdir())
+
+
+def test_atomic_dir_replaces_whole_directory(tmp_path: Path) -> None:
+    d = tmp_path / "best"
+    with atomic_dir(d) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(ValueError), atomic_dir(d) as tmp:
+        (tmp / "a").write_text("2")
+        raise ValueError("interrupted")
+    assert (d / "a").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_real_full_disk(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root or no CAP_SYS_ADMIN)")
+    try:
+        atomic_write_text(mnt / "small.txt", "ok")
+        with pytest.raises(DiskFullError, match="Free space"):
+            atomic_write_text(mnt / "big.txt", "x" * 200_000)
+        assert (mnt / "small.txt").read_text() == "ok"
+        assert sorted(p.name for p in mnt.iterdir()) == ["small.txt"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
