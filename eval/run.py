@@ -331,7 +331,26 @@ def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def select_prompts(cfg: Config, target: Target) -> list[Prompt]:
-    return load_heldout(cfg.synth_dir, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)
+    """Held-out prompts: from the synth run's split, or straight from the configured data sources' split."""
+    if cfg.eval.prompts == "synth":
+        return load_heldout(cfg.synth_dir, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)
+    if cfg.eval.prompts != "data":
+        raise ConfigError(f"eval.prompts={cfg.eval.prompts!r} must be synth or data")
+    from data.render import prompt_ids
+    from data.sources import SkipCounter
+    from data.split import select
+
+    data = copy.deepcopy(cfg.data)
+    data.num_prompts, data.max_heldout = 0, cfg.eval.num_prompts
+    prompts: list[Prompt] = []
+    for conv in select(data, SkipCounter()).heldout:
+        first = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+        ids = prompt_ids(target.tokenizer, conv.messages[: first + 1])
+        if len(ids) <= cfg.data.max_prompt_tokens:
+            prompts.append(Prompt(conv.source, conv.id, ids))
+    if not prompts:
+        raise ValueError("no held-out prompts in the configured data sources (raise data.heldout_fraction?)")
+    return prompts
 
 
 def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[str, Any]:

@@ -58,7 +58,9 @@ class SourceConfig:
 class DataConfig:
     """Prompt sources (real traffic), their mixture, validation limits and the held-out split."""
 
-    sources: dict[str, SourceConfig] = field(default_factory=lambda: {"sharegpt": SourceConfig()})
+    sources: dict[str, SourceConfig] = field(default_factory=dict)
+    """Named prompt sources; set by the data group (data=sharegpt|humaneval|mix|jsonl), which replaces the
+    whole mapping (a source named in a YAML file is never silently mixed with the default's)."""
     num_prompts: int | None = None
     """Training conversations to synthesise in total (None: every valid training conversation)."""
     heldout_fraction: float = 0.05
@@ -162,6 +164,9 @@ class EvalConfig:
     """A saved drafter (default: the train stage's best checkpoint of this run)."""
     draft_model: str | None = None
     """A standalone draft model directory for the draft_model / hf_assisted proposers."""
+    prompts: str = "synth"
+    """Where held-out prompts come from: synth (the synth run's heldout.jsonl) | data (the held-out split of
+    the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed)."""
     num_prompts: int = 16
     """Held-out prompts per source."""
     max_new_tokens: int = 64

@@ -343,7 +343,11 @@ class Trainer:
                 self.history.append({"step": self.step, "heldout": heldout})
                 if self.tracker:
                     self.tracker.log(
-                        {"heldout/tau": tau, **{f"heldout/tau_{s}": v["tau"] for s, v in heldout.items()}},
+                        {
+                            "heldout/tau": tau,
+                            **{f"heldout/tau_{s}": v["tau"] for s, v in heldout.items()},
+                            **{f"heldout/alpha_{i + 1}": a for i, a in enumerate(heldout["all"]["alpha"])},
+                        },
                         step=self.step,
                     )
                 logger.info(

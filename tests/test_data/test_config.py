@@ -29,6 +29,14 @@ def test_every_shipped_config_composes(override: str) -> None:
     cfg = compose([override, *extra])
     assert isinstance(cfg, Config)
     assert cfg.data.sources, override
+    if override.startswith("data="):  # a data group selects exactly its own sources
+        expected = {
+            "sharegpt": {"sharegpt"},
+            "humaneval": {"humaneval"},
+            "mix": {"sharegpt", "humaneval"},
+            "jsonl": {"mine"},
+        }[override.split("=")[1]]
+        assert set(cfg.data.sources) == expected
 
 
 def test_quickstart_is_small() -> None:

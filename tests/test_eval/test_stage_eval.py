@@ -94,3 +94,38 @@ def test_eval_refuses_bad_settings_before_work(synth_dir: Path, tmp_path: Path, 
         timeout=300,
     )
     assert res.returncode != 0 and "eval.draft_model is not set" in res.stderr
+
+
+def test_eval_from_data_sources_without_synth(tmp_path: Path, run_env: dict[str, str]) -> None:
+    """eval.prompts=data: held-out prompts straight from a prompt source (here the user's own JSONL)."""
+    traffic = tmp_path / "traffic.jsonl"
+    rows = [{"id": f"r{i}", "prompt": f"Repeat after me: item {i}, item {i}, item {i}."} for i in range(40)]
+    traffic.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "eval"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "stage=eval",
+            "data=jsonl",
+            f"data.sources.mine.paths=[{traffic}]",
+            "data.heldout_fraction=0.2",
+            "eval.prompts=data",
+            "eval.num_prompts=2",
+            "eval.max_new_tokens=8",
+            "eval.proposers=[prompt_lookup]",
+            f"synth_dir={tmp_path / 'none'}",
+            f"hydra.run.dir={out}",
+            "wandb.mode=disabled",
+        ],
+        cwd=REPO,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["num_prompts"] == 2 and set(metrics["metrics"]["prompt_lookup_k5"]) == {"mine", "all"}
+    assert metrics["metrics"]["prompt_lookup_k5"]["all"]["identical_to_plain"] == 1.0

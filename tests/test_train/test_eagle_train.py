@@ -19,6 +19,7 @@ from tests.conftest import REPO, SMALL_SYNTH
 pytestmark = pytest.mark.slow
 
 TRAIN = [
+    "train.features=online",
     "train.max_steps=6",
     "train.micro_batch_size=2",
     "train.lr=1e-3",
