@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eval.sampling import logits_to_probs, sample_from_probs
 from eval.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,16 @@ class Proposer(ABC):
         self.temperature = temperature
         self.top_p = top_p
         self.generator = generator
+
+    def draft_token(self, logits: torch.Tensor, sampled_from: list[torch.Tensor]) -> int:
+        """Pick one chain draft token from ``logits`` ``[V]``: argmax at temperature 0, else a sample from
+        q = logits_to_probs(logits) (drawn from ``self.generator``), with q appended to ``sampled_from``
+        (the chain's ``draft_probs``, needed for lossless rejection sampling)."""
+        if self.temperature == 0.0:
+            return int(logits.argmax())
+        q = logits_to_probs(logits, self.temperature, self.top_p)
+        sampled_from.append(q.cpu())
+        return sample_from_probs(q, self.generator)
 
     @abstractmethod
     def begin(self, prompt_ids: torch.Tensor, target_out: TargetOutput) -> None:

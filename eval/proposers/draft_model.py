@@ -30,7 +30,6 @@ import torch
 
 from eval.decoder import TREE_ATTN_IMPLEMENTATIONS, _new_cache, crop_cache, model_forward
 from eval.proposers.base import Proposer, TargetOutput
-from eval.sampling import logits_to_probs, sample_from_probs
 from eval.tree import DraftTree, chain, dynamic_tree, static_tree, tree_attention_mask, tree_depths
 
 logger = logging.getLogger(__name__)
@@ -202,14 +201,8 @@ class DraftModelProposer(Proposer):
     def _propose_chain(self, ctx: list[int], logits: torch.Tensor) -> DraftTree:
         toks: list[int] = []
         qs: list[torch.Tensor] = []
-        greedy = self.temperature == 0.0
         for i in range(self.num_tokens):
-            if greedy:
-                tok = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, self.temperature, self.top_p)
-                tok = sample_from_probs(q, self.generator)
-                qs.append(q.cpu())
+            tok = self.draft_token(logits, qs)
             toks.append(tok)
             if i < self.num_tokens - 1:
                 logits = self._forward([tok])[-1]

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from eval.proposers.base import Proposer, TargetOutput
-from eval.sampling import logits_to_probs, sample_from_probs
 from eval.tree import DraftTree, chain, dynamic_tree, tree_attention_mask, tree_depths
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -114,12 +113,7 @@ class FeatureHeadProposer(Proposer):
         toks: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(self.chain_k):
-            if self.temperature == 0.0:
-                tok = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, self.temperature, self.top_p)
-                tok = sample_from_probs(q, self.generator)
-                qs.append(q.cpu())
+            tok = self.draft_token(logits, qs)
             toks.append(tok)
             if i < self.chain_k - 1:
                 ids = torch.tensor([[tok]], device=feat.device)
