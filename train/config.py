@@ -232,7 +232,12 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
-DRAFTER_SCHEMAS: dict[str, str] = {"eagle": "train.drafters.eagle:EagleConfig"}
+DRAFTER_SCHEMAS: dict[str, str] = {
+    "eagle": "train.drafters.eagle:EagleConfig",
+    "eagle3": "train.drafters.eagle3:Eagle3Config",
+    "medusa": "train.drafters.medusa:MedusaConfig",
+    "standalone": "train.drafters.standalone:StandaloneConfig",
+}
 """Drafter family -> its config dataclass (module:Class), stored in Hydra's ConfigStore as
 ``drafter/<name>_schema`` so the YAML in ``conf/drafter/`` is validated against it."""
 

@@ -161,6 +161,8 @@ class Trainer:
         tcfg = cfg.target
         tcfg.device = str(self.acc.device)
         self.target = load_target(tcfg)
+        if self.spec.check is not None:
+            self.spec.check(cfg.drafter, self.target)
         if synth_manifest["target"]["fingerprint"] != self.target.fingerprint:
             raise ConfigError(
                 f"The synth data in {cfg.synth_dir} was made with target fingerprint "
@@ -187,6 +189,10 @@ class Trainer:
         )
         torch.manual_seed(cfg.seed)
         model = self.spec.build(cfg.drafter, self.target.model).float()
+        self.drafter_info: dict[str, Any] = {}
+        if self.spec.prepare is not None:
+            self.drafter_info = self.spec.prepare(model, rows, cfg.drafter)
+            logger.info("drafter data: %s", self.drafter_info)
         params = [p for p in model.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(
@@ -306,7 +312,9 @@ class Trainer:
         state = self.acc.get_state_dict(self.model)
         copy = self.spec.build(self.cfg.drafter, self.target.model)
         if self.acc.is_main_process:
-            copy.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+            copy.load_state_dict(
+                {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}, strict=False
+            )
         return copy.to(self.target.model.dtype).eval()
 
     def _eval_tau(self, drafter: torch.nn.Module) -> dict[str, Any]:
@@ -448,6 +456,7 @@ class Trainer:
             "finished": done,
             "best": self.best,
             "trainable_parameters": self.n_trainable,
+            "drafter_data": self.drafter_info,
             "world_size": self.world,
             "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
             "supervised_tokens_per_second": round(sup_tokens / max(elapsed, 1e-9), 2),

@@ -63,6 +63,14 @@ class DrafterSpec:
     feature_layers: Callable[[Any, Any], list[int]] = lambda cfg, target_config: [target_config.num_hidden_layers]
     """Which target hidden states the loss reads (indices into HF ``hidden_states``); default: the last."""
     exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    prepare: Callable[[torch.nn.Module, list[Any], Any], dict[str, Any]] | None = None
+    """``prepare(drafter, rows, cfg) -> info``: data-dependent initialisation of a freshly built drafter from the
+    training rows (``train.batches.Row``: ``input_ids``, ``loss_mask``), e.g. EAGLE-3's draft vocabulary. It
+    must be deterministic (every process calls it) and keep what it derives in persistent buffers, so it is
+    checkpointed and saved. ``info`` goes into the train manifest."""
+    check: Callable[[Any, Any], None] | None = None
+    """``check(cfg, target)`` with the loaded ``data.target.Target`` (model, tokenizer): refuse a config that
+    cannot work with this target before anything is built (e.g. a draft model with another tokenizer)."""
 
 
 _REGISTRY: dict[str, DrafterSpec] = {}
@@ -77,12 +85,19 @@ def register(spec: DrafterSpec) -> DrafterSpec:
     return spec
 
 
-def _load_builtin() -> None:
-    from train.drafters import eagle  # noqa: F401  (registers itself)
+BUILTIN = ("eagle", "eagle3", "medusa", "standalone")
+"""Families that ship with the project: ``train/drafters/<name>.py``, each registering itself on import."""
+
+
+def _load_builtin(name: str | None = None) -> None:
+    import importlib
+
+    for family in BUILTIN if name is None else [n for n in BUILTIN if n == name]:
+        importlib.import_module(f"train.drafters.{family}")
 
 
 def get(name: str) -> DrafterSpec:
-    _load_builtin()
+    _load_builtin(name)
     if name not in _REGISTRY:
         raise ConfigError(f"Unknown drafter {name!r}; registered drafters: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
