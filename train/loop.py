@@ -130,6 +130,7 @@ class Trainer:
         self.ckpt_root = run_dir / "checkpoints"
         self.spec = registry.get(cfg.drafter.name)
         self.stop_signal: int | None = None
+        self.stop_now = False
         self.tracker: Tracker | None = None
 
     # -- setup ---------------------------------------------------------------------------------
@@ -298,11 +299,15 @@ class Trainer:
             for k, v in {"loss": loss.detach(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.scheduler.step()
-        vec = torch.tensor([*sums.values(), float(tokens)], dtype=torch.float64, device=self.acc.device)
+        # The stop flag (a signal seen by any rank before this point) travels with the step's metrics, so every
+        # rank decides to stop at the same step (signals reach the ranks at slightly different times).
+        stop = float(self.stop_signal is not None)
+        vec = torch.tensor([*sums.values(), float(tokens), stop], dtype=torch.float64, device=self.acc.device)
         vec = self.acc.reduce(vec, reduction="sum")
         n = cfg.grad_accum * self.world
         out = {k: vec[i].item() / (1 if k == "tokens" else n) for i, k in enumerate(sums)}
-        out["seq_tokens"] = vec[-1].item()
+        out["seq_tokens"] = vec[-2].item()
+        self.stop_now = vec[-1].item() > 0
         return out
 
     # -- checkpoints and held-out checks -----------------------------------------------------------
@@ -436,9 +441,13 @@ class Trainer:
                 )
                 if self.tracker:
                     self.tracker.log({f"train/{k}": v for k, v in m.items()}, step=self.step)
-            if self.stop_signal is not None:
+            if self.stop_now:
                 self._save()
                 bar.close()
+                if self.acc.is_main_process:  # tells a SLURM job script to requeue (slurm/train.sbatch)
+                    atomic_write_json(
+                        self.run_dir / "stopped.json", {"step": self.step, "signal": self.stop_signal or signal.SIGUSR2}
+                    )
                 raise SystemExit(f"stopped by signal {self.stop_signal} at step {self.step}; resume=true continues")
             evaluate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0
             if self.step % cfg.save_every == 0 or evaluate:

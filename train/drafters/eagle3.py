@@ -1,19 +1,418 @@
-"""EAGLE-3 feature head (work in progress)."""
+"""EAGLE-3 feature head: fused low/middle/high target features, training-time test, a reduced draft vocabulary.
+
+Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time Test" (2025).
+
+The head reads three target layers (HF ``hidden_states`` indices ``layer_ids``; default ``(2, N//2, N-3)``,
+the layers vLLM and ``speculators`` pick) concatenated, fuses them with ``fc: 3H -> H`` (no bias) and runs one
+decoder layer whose attention input is ``[input_layernorm(embed(x[t+1])), hidden_norm(h[t])]`` (2H wide) with
+``h[t]`` as the residual. Its output ``h'`` is fed back as the next step's feature (no ``fc`` then) and gives
+draft logits over a reduced vocabulary: ``lm_head(norm(h'))`` ``[draft_vocab_size]``. ``d2t`` (``target_id =
+draft_id + d2t[draft_id]``) and ``t2d`` (bool over the target vocabulary) map between the two; they are built
+from the training data's token frequencies, saved with the checkpoint and checked (with a hash) on load.
+
+Training-time test (TTT): the head is unrolled for ``ttt_steps`` steps. Step 0 sees the target's fused
+features; step j sees its own outputs of step j-1 at the same entry, and the token ``x[t+1+j]`` (positions
+shifted by j). Entry t of step j attends to step 0's keys at positions <= t (the committed context) and to
+its own keys of steps 1..j (its own draft chain) -- exactly what it sees when drafting j tokens ahead at
+inference. Loss of step j: cross-entropy against the target's next-token distribution restricted to the draft
+vocabulary, where the target's top token is in it, weighted ``ttt_decay ** j`` (SpecForge: 0.8).
+
+Parameter names follow SGLang's EAGLE-3 layout (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``); the token embedding is a frozen copy of the target's and is not saved.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from train.config import ConfigError
+from train.drafters.layers import KV, DraftAttention
+from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Eagle3Config:
+    """EAGLE-3 head and its decoding settings."""
+
     name: str = "eagle3"
     layer_ids: list[int] | None = None
+    """Target layers fused by ``fc`` (HF ``hidden_states`` indices: 0 = embeddings, i = output of decoder layer
+    i); None = ``(2, N//2, N-3)`` for an N-layer target, as vLLM and speculators choose."""
     draft_vocab_size: int = 8192
+    """Size of the draft vocabulary (the most frequent target-written tokens of the training data);
+    0 or >= the target's vocabulary = the full vocabulary."""
     ttt_steps: int = 3
+    """Training-time-test unroll length (SpecForge trains with 7; the CPU recipes use fewer)."""
     ttt_decay: float = 0.8
+    """Loss weight of TTT step j is ``ttt_decay ** j``."""
     decode: str = "tree"
+    """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic tree) | chain."""
     chain_k: int = 5
     tree_depth: int = 5
     tree_top_k: int = 4
     tree_total_tokens: int = 16
+
+
+def resolve_layer_ids(cfg: Eagle3Config, target_config: Any) -> list[int]:
+    n = int(target_config.num_hidden_layers)
+    ids = list(cfg.layer_ids) if cfg.layer_ids else [2, n // 2, n - 3]
+    bad = [i for i in ids if not 0 <= int(i) <= n]
+    if bad or not ids:
+        raise ConfigError(f"drafter.layer_ids={ids}: every id must be in 0..{n} (HF hidden_states indices)")
+    return [int(i) for i in ids]
+
+
+def draft_vocab(cfg: Eagle3Config, target_config: Any) -> int:
+    v = int(target_config.vocab_size)
+    return v if cfg.draft_vocab_size <= 0 or cfg.draft_vocab_size >= v else int(cfg.draft_vocab_size)
+
+
+def vocab_hash(d2t: torch.Tensor) -> str:
+    """A short hash of the draft->target map, stored in config.json and checked against the tensors on load."""
+    return hashlib.sha256(d2t.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over [norm(embedding), norm(feature)] with the feature as residual."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
+        self.self_attn = DraftAttention(config, 2 * hidden)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        emb: torch.Tensor,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: KV | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, KV]:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        a, kv = self.self_attn(x, cos, sin, past, mask)
+        h = h + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Any, num_aux: int, draft_vocab_size: int) -> None:
+        super().__init__()
+        H, V = config.hidden_size, config.vocab_size
+        self.config = config
+        self.hidden_size = H
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(num_aux * H, H, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = LlamaRMSNorm(H, eps=getattr(config, "rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.lm_head.out_features)
+
+    def target_ids(self) -> torch.Tensor:
+        """Target-vocabulary id of every draft-vocabulary entry, ``[draft_vocab_size]``."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[KV] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """features: ``[B, T, k*H]`` fused target layers, or ``[B, T, H]`` the head's own earlier outputs;
+        next_ids: ``[B, T]`` the token after each feature's position; returns ``(h' [B, T, H], [kv])``."""
+        h = self.fc(features) if features.shape[-1] != self.hidden_size else features
+        emb = self.embed_tokens(next_ids).to(h.dtype)
+        cos, sin = self.rotary(h, position_ids)
+        out, kv = self.midlayer(emb, h, cos, sin, None if past is None else past[0], mask)
+        return out, [kv]
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary, ``[..., draft_vocab_size]``."""
+        return self.lm_head(self.norm(h))
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits placed in the target's vocabulary (``-inf`` outside the draft vocabulary)."""
+        d = self.draft_logits(h).float()
+        out = torch.full((*d.shape[:-1], self.t2d.numel()), float("-inf"), device=d.device)
+        out[..., self.target_ids()] = d
+        return out
+
+
+def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
+    tcfg = target.config
+    layer_ids = resolve_layer_ids(cfg, tcfg)
+    if cfg.ttt_steps < 1:
+        raise ConfigError(f"drafter.ttt_steps={cfg.ttt_steps} must be >= 1")
+    vd = draft_vocab(cfg, tcfg)
+    head = Eagle3Head(tcfg, len(layer_ids), vd)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[:vd])
+    # Kept (not as a parameter or buffer) so prepare() can copy the rows of the chosen draft vocabulary.
+    object.__setattr__(head, "_target_lm_head", target.get_output_embeddings())
+    return head.to(next(target.parameters()).dtype)
+
+
+def build_vocab(rows: list[Any], vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The draft vocabulary: the ``draft_vocab_size`` most frequent target-written tokens of ``rows`` (ties by
+    lower id), topped up with the most frequent prompt tokens, then the lowest unused ids; sorted ascending.
+
+    Returns the target ids ``[draft_vocab_size]`` and coverage figures."""
+    written: Counter[int] = Counter()
+    other: Counter[int] = Counter()
+    for r in rows:
+        for tok, m in zip(r.input_ids, r.loss_mask, strict=True):
+            (written if m else other)[tok] += 1
+    chosen: list[int] = [t for t, _ in sorted(written.items(), key=lambda kv: (-kv[1], kv[0]))][:draft_vocab_size]
+    seen = set(chosen)
+    for t, _ in sorted(other.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= draft_vocab_size:
+            break
+        if t not in seen:
+            chosen.append(t)
+            seen.add(t)
+    nxt = 0
+    while len(chosen) < draft_vocab_size:
+        if nxt not in seen:
+            chosen.append(nxt)
+            seen.add(nxt)
+        nxt += 1
+    ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    total = sum(written.values())
+    covered = sum(c for t, c in written.items() if t in seen)
+    info = {
+        "draft_vocab_size": draft_vocab_size,
+        "distinct_target_written_tokens": len(written),
+        "target_written_token_coverage": round(covered / max(1, total), 5),
+    }
+    if any(t >= vocab_size for t in chosen):
+        raise ValueError(f"training data holds token ids >= the target vocabulary ({vocab_size})")
+    return ids, info
+
+
+def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config) -> dict[str, Any]:
+    """Build d2t/t2d from the training rows and initialise the draft LM head from the target's rows."""
+    assert isinstance(head, Eagle3Head)
+    V, vd = head.t2d.numel(), head.draft_vocab_size
+    if vd == V:
+        ids = torch.arange(V)
+        info = {"draft_vocab_size": V, "target_written_token_coverage": 1.0}
+    else:
+        ids, info = build_vocab(rows, V, vd)
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(vd))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+        src = getattr(head, "_target_lm_head", None)
+        if src is not None:
+            head.lm_head.weight.copy_(src.weight[ids.to(src.weight.device)].to(head.lm_head.weight))
+    info["d2t_hash"] = vocab_hash(head.d2t.cpu())
+    return info
+
+
+def ttt_mask(T: int, step: int, device: torch.device) -> torch.Tensor:
+    """Attention of step ``step``'s T entries over the keys of steps 0..step: ``[T, (step + 1) * T]`` bool.
+
+    Step 0's keys causally (the committed context), then every later step's key at the same entry only."""
+    blocks = [torch.ones(T, T, dtype=torch.bool, device=device).tril()]
+    blocks += [torch.eye(T, dtype=torch.bool, device=device)] * step
+    return torch.cat(blocks, dim=1)
+
+
+def loss_fn(
+    head: nn.Module, batch: TrainBatch, feats: TargetFeatures, cfg: Eagle3Config
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TTT loss; entry t of step j predicts ``x[t+j+2]`` from the token ``x[t+j+1]``."""
+    core = getattr(head, "module", head)
+    layer_ids = resolve_layer_ids(cfg, core.config)
+    ids, lm, am = batch.input_ids, batch.loss_mask, batch.attention_mask
+    B, L = ids.shape
+    T = L - 1
+    if T < 2:
+        raise ValueError("EAGLE-3 training rows need at least 3 tokens")
+    fused = torch.cat([feats.layers[i][:, :T] for i in layer_ids], dim=-1)
+    dev = fused.device
+    target_ids = core.target_ids().to(dev)
+    # The target's distribution over the draft vocabulary at every position p that predicts a target-written
+    # token x[p+1]; the LM head runs only on those rows.
+    need = (lm[:, 2:] * am[:, 2:]).bool()  # position p = 1..L-2 predicts x[p+1]
+    rows = torch.nonzero(need)  # (b, p-1)
+    t_p = torch.zeros(B, L + cfg.ttt_steps, target_ids.numel(), device=dev)
+    in_vocab = torch.zeros(B, L, dtype=torch.bool, device=dev)
+    if rows.numel():
+        with torch.no_grad():
+            logits = feats.lm_head(feats.last[rows[:, 0], rows[:, 1] + 1]).float()
+            in_vocab[rows[:, 0], rows[:, 1] + 1] = core.t2d.to(dev)[logits.argmax(-1)]
+            t_p[rows[:, 0], rows[:, 1] + 1] = torch.softmax(logits[:, target_ids], -1)
+    pad = torch.full((B, cfg.ttt_steps + 1), int(ids[0, -1]), dtype=ids.dtype, device=dev)
+    ids_ext = torch.cat([ids, pad], dim=1)
+    valid = torch.cat([need & in_vocab[:, 1:-1], torch.zeros(B, cfg.ttt_steps + 1, dtype=torch.bool, device=dev)], 1)
+    pos = torch.arange(T, device=dev).expand(B, -1)
+    h: torch.Tensor = fused
+    past: list[KV] | None = None
+    total = torch.zeros((), device=dev)
+    metrics: dict[str, torch.Tensor] = {}
+    for j in range(cfg.ttt_steps):
+        mask = ttt_mask(T, j, dev)[None, None]
+        h, kv = head(h, ids_ext[:, 1 + j : 1 + j + T], pos + j, past=past, mask=mask)
+        past = kv  # the attention returns the earlier steps' keys/values followed by this step's
+        keep = valid[:, j : j + T]  # entry t counts if x[t+j+2] is target-written and the target's top is drafted
+        n = int(keep.sum())
+        if n == 0:
+            continue
+        d_logp = torch.log_softmax(core.draft_logits(h[keep]).float(), -1)
+        tp = t_p[:, 1 + j : 1 + j + T][keep]
+        step_loss = -(tp * d_logp).sum() / n
+        total = total + cfg.ttt_decay**j * step_loss
+        with torch.no_grad():
+            acc = (d_logp.argmax(-1) == tp.argmax(-1)).float().mean()
+        metrics[f"acc_top1_pos{j + 1}"] = acc
+        metrics[f"loss_step{j + 1}"] = step_loss.detach()
+        if j == 0:
+            metrics["tokens"] = torch.tensor(float(n))
+    metrics.setdefault("tokens", torch.tensor(0.0))
+    with torch.no_grad():
+        metrics["vocab_coverage"] = in_vocab[:, 2:][need].float().mean() if rows.numel() else torch.tensor(1.0)
+    return total, metrics
+
+
+def save(head: nn.Module, directory: str, cfg: Eagle3Config) -> None:
+    """``model.safetensors`` (SGLang EAGLE-3 names, without the embedding) + ``config.json``."""
+    assert isinstance(head, Eagle3Head)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().contiguous().cpu()
+        for k, v in head.state_dict().items()
+        if not k.startswith(("rotary.", "embed_tokens."))
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "drafter": "eagle3"})
+    tcfg = head.config.to_dict()
+    layer_ids = resolve_layer_ids(cfg, head.config)
+    tcfg.update(
+        {
+            "num_hidden_layers": 1,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": head.draft_vocab_size,
+            "target_hidden_size": head.config.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": layer_ids,
+            "tie_word_embeddings": False,
+        }
+    )
+    tcfg["draftsmith"] = {"drafter": asdict(cfg), "d2t_hash": vocab_hash(head.d2t.cpu()), "layer_ids": layer_ids}
+    (out / "config.json").write_text(json.dumps(tcfg, indent=2, default=str), encoding="utf-8")
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
+    """Refuse a d2t/t2d pair that is not a consistent, sorted, in-range map of ``draft_vocab_size`` entries."""
+    problems = []
+    if d2t.dtype not in (torch.int64, torch.int32) or d2t.shape != (draft_vocab_size,):
+        problems.append(f"d2t must be int64[{draft_vocab_size}], got {d2t.dtype}{list(d2t.shape)}")
+    if t2d.shape != (vocab_size,):
+        problems.append(f"t2d must have the target's vocabulary size {vocab_size}, got {list(t2d.shape)}")
+    if not problems:
+        tid = torch.arange(draft_vocab_size) + d2t.long()
+        if tid.min() < 0 or tid.max() >= vocab_size:
+            problems.append("d2t maps draft ids outside the target vocabulary")
+        elif draft_vocab_size > 1 and not bool((tid[1:] > tid[:-1]).all()):
+            problems.append("d2t does not map to strictly increasing target ids (duplicates or unsorted)")
+        elif int(t2d.bool().sum()) != draft_vocab_size or not bool(t2d.bool()[tid].all()):
+            problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if problems:
+        raise ValueError("corrupt EAGLE-3 vocabulary map: " + "; ".join(problems))
+
+
+def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3Head:
+    path = Path(directory)
+    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    saved = Eagle3Config(**meta.get("draftsmith", {}).get("drafter", {}))
+    tcfg = target.config
+    if meta.get("hidden_size") != tcfg.hidden_size or meta.get("vocab_size") != tcfg.vocab_size:
+        raise ValueError(
+            f"EAGLE-3 head in {path} was trained for hidden_size={meta.get('hidden_size')}, "
+            f"vocab_size={meta.get('vocab_size')}; this target has {tcfg.hidden_size}, {tcfg.vocab_size}"
+        )
+    state = load_file(str(path / "model.safetensors"))
+    if "d2t" not in state or "t2d" not in state or "lm_head.weight" not in state:
+        raise ValueError(f"EAGLE-3 checkpoint {path} lacks d2t/t2d/lm_head.weight")
+    vd = int(state["lm_head.weight"].shape[0])
+    if vd != int(meta.get("draft_vocab_size", -1)):
+        raise ValueError(
+            f"{path}: lm_head has {vd} rows but config.json says draft_vocab_size={meta.get('draft_vocab_size')}"
+        )
+    check_vocab_maps(state["d2t"], state["t2d"], vd, tcfg.vocab_size)
+    expected = meta.get("draftsmith", {}).get("d2t_hash")
+    if expected is not None and vocab_hash(state["d2t"]) != expected:
+        raise ValueError(
+            f"{path}: d2t does not match the vocabulary the head was trained with (hash {vocab_hash(state['d2t'])} "
+            f"!= {expected}); a d2t rebuilt from other data silently collapses acceptance"
+        )
+    head = Eagle3Head(tcfg, len(resolve_layer_ids(saved, tcfg)), vd)
+    state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().float()
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"EAGLE-3 checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    return head.to(next(target.parameters()).dtype).eval()
+
+
+def make_proposer(head: nn.Module, target: Any, cfg: Eagle3Config) -> Any:
+    from eval.proposers.feature_head import FeatureHeadProposer
+
+    assert isinstance(head, Eagle3Head)
+    layer_ids = resolve_layer_ids(cfg, target.config)
+    n = target.config.num_hidden_layers
+
+    def feature_fn(hs: dict[int | str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([hs["last"] if i == n and i not in hs else hs[i] for i in layer_ids], dim=-1)
+
+    return FeatureHeadProposer(head, head.full_logits, cfg, feature_fn=feature_fn, aux_hidden_layers=layer_ids)
+
+
+def feature_layers(cfg: Eagle3Config, target_config: Any) -> list[int]:
+    return sorted({*resolve_layer_ids(cfg, target_config), int(target_config.num_hidden_layers)})
+
+
+SPEC = register(
+    DrafterSpec(
+        name="eagle3",
+        config_cls=Eagle3Config,
+        build=build,
+        loss=loss_fn,
+        proposer=make_proposer,
+        load=load,
+        save=save,
+        feature_layers=feature_layers,
+        prepare=prepare,
+    )
+)

@@ -1,0 +1,185 @@
+"""EAGLE-3 on the real target: TTT matches inference, d2t/t2d from the data and checked on load, training
+falls and resumes exactly, and the proposer is lossless (chain and tree)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import SMALL_SYNTH
+from tests.test_train.test_eagle_train import TRAIN, _losses, _ok, _run
+
+pytestmark = pytest.mark.slow
+
+
+def _head(target, **kw):  # -> (spec, cfg, head)
+    from train.drafters import registry
+
+    spec = registry.get("eagle3")
+    cfg = spec.config_cls(**kw)
+    torch.manual_seed(0)
+    return spec, cfg, spec.build(cfg, target.model).float().eval()
+
+
+def test_default_layers_and_feature_layers(target) -> None:
+    from train.drafters import registry
+
+    spec = registry.get("eagle3")
+    cfg = spec.config_cls()
+    assert spec.feature_layers(cfg, target.model.config) == [2, 15, 27, 30]  # vLLM's (2, N//2, N-3) + the last
+    from train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="layer_ids"):
+        spec.build(spec.config_cls(layer_ids=[2, 15, 31]), target.model)
+
+
+def test_ttt_step_equals_inference_drafting(target) -> None:
+    """Entry t of TTT step 1 must be exactly what the head computes when it drafts one token after committing
+    rows 0..t at inference (own feature, own key at position t+1, the committed keys at positions <= t)."""
+    from train.drafters.eagle3 import ttt_mask
+
+    _, _, head = _head(target, draft_vocab_size=1024)
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+        fused = torch.cat([hs[i] for i in (2, 15, 27)], -1)
+        T = ids.shape[1] - 1
+        pos = torch.arange(T)[None]
+        h0, kv0 = head(fused[:, :T], ids[:, 1:], pos, mask=ttt_mask(T, 0, "cpu")[None, None])
+        nxt = torch.cat([ids[:, 2:], ids[:, -1:]], 1)
+        h1, kv1 = head(h0, nxt, pos + 1, past=kv0, mask=ttt_mask(T, 1, "cpu")[None, None])
+        nxt2 = torch.cat([nxt[:, 1:], nxt[:, -1:]], 1)
+        h2, _ = head(h1, nxt2, pos + 2, past=kv1, mask=ttt_mask(T, 2, "cpu")[None, None])
+        for t in (1, 4, T - 4):
+            c, kv = head(fused[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None])
+            d1, kv = head(c[:, -1:], ids[:, t + 2 : t + 3], torch.tensor([[t + 1]]), past=kv)
+            d2, _ = head(d1, ids[:, t + 3 : t + 4], torch.tensor([[t + 2]]), past=kv)
+            scale = h1[0, t].abs().max()
+            assert torch.allclose(c[0, -1], h0[0, t], atol=1e-4 * scale)
+            assert torch.allclose(d1[0, 0], h1[0, t], atol=1e-4 * scale)
+            assert torch.allclose(d2[0, 0], h2[0, t], atol=1e-4 * h2[0, t].abs().max())
+    # and a wrong mask (step 1 seeing step 0's keys of *later* entries) gives something else
+    bad = torch.ones(T, 2 * T, dtype=torch.bool)
+    with torch.no_grad():
+        h1_bad, _ = head(h0, nxt, pos + 1, past=kv0, mask=bad[None, None])
+    assert not torch.allclose(h1_bad[0, 1], h1[0, 1], atol=1e-3)
+
+
+def test_vocab_from_data_and_corrupt_maps_refused(target, tmp_path: Path) -> None:
+    from train.batches import Row
+    from train.drafters.eagle3 import build_vocab, check_vocab_maps
+
+    rows = [Row([5, 7, 7, 9, 9, 9, 3], [0, 0, 1, 1, 1, 1, 0]), Row([9, 11, 12], [0, 1, 1])]
+    ids, info = build_vocab(rows, 50, 4)
+    # written counts: 9 x4, 7 x1, 11 x1, 12 x1 -> top 4 by count then id: 9, 7, 11, 12 (sorted ascending)
+    assert ids.tolist() == [7, 9, 11, 12] and info["target_written_token_coverage"] == 1.0
+    ids, info = build_vocab(rows, 50, 6)  # topped up with prompt tokens by frequency: 3, 5
+    assert ids.tolist() == [3, 5, 7, 9, 11, 12]
+
+    spec, cfg, head = _head(target, draft_vocab_size=512)
+    info = spec.prepare(head, [Row(list(range(1000, 1600)), [1] * 600)], cfg)
+    assert head.t2d.sum() == 512 and head.target_ids().tolist() == list(range(1000, 1512))
+    assert torch.equal(head.lm_head.weight, target.model.get_output_embeddings().weight[1000:1512])
+    out = tmp_path / "head"
+    spec.save(head, str(out), cfg)
+    loaded = spec.load(str(out), target.model, cfg)
+    x = torch.randn(3, target.model.config.hidden_size)
+    assert torch.equal(loaded.full_logits(x), head.full_logits(x))
+    assert torch.isinf(head.full_logits(x)[:, :1000]).all()
+
+    state = load_file(str(out / "model.safetensors"))
+    for name, bad, msg in [
+        ("zeros", {"d2t": torch.zeros_like(state["d2t"])}, "t2d does not mark"),
+        ("shifted", {"d2t": state["d2t"] + 1, "t2d": torch.roll(state["t2d"], 1)}, "does not match the vocabulary"),
+        ("dup", {"d2t": torch.cat([state["d2t"][:1] + 1, state["d2t"][1:]])}, "strictly increasing"),
+        ("range", {"d2t": state["d2t"] + 60000}, "outside the target vocabulary"),
+        ("short", {"d2t": state["d2t"][:-1]}, "int64"),
+    ]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((out / "config.json").read_text())
+        save_file({**state, **bad}, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=msg):
+            spec.load(str(d), target.model, cfg)
+    with pytest.raises(ValueError, match="corrupt"):
+        check_vocab_maps(state["d2t"].float(), state["t2d"], 512, target.model.config.vocab_size)
+
+
+@pytest.mark.parametrize("decode", ["chain", "tree"])
+def test_eagle3_proposer_is_lossless_on_the_real_target(target, decode: str) -> None:
+    from data.render import prompt_ids
+    from eval.decoder import SpeculativeDecoder
+    from train.batches import Row
+
+    spec, cfg, head = _head(
+        target, decode=decode, chain_k=4, tree_depth=4, tree_top_k=3, tree_total_tokens=10, draft_vocab_size=4096
+    )
+    spec.prepare(head, [Row(list(range(0, 8192, 2)), [1] * 4096)], cfg)  # a vocabulary that misses half the ids
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.02)
+    tok = target.tokenizer
+    for text in ("Write a Python function that reverses a string.", "Name three colours."):
+        ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": text}])])
+        ref = target.model.generate(
+            ids,
+            max_new_tokens=20,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
+        res = SpeculativeDecoder(target.model, spec.proposer(head, target.model, cfg)).generate(
+            ids, 20, eos_token_id=tok.eos_token_id
+        )
+        assert res.tokens == ref
+        assert res.stats.verify_steps >= 1
+
+
+def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+    base = [
+        *SMALL_SYNTH,
+        "stage=train",
+        f"synth_dir={synth_dir}",
+        *TRAIN,
+        "drafter=eagle3",
+        "drafter.draft_vocab_size=1024",
+        "drafter.ttt_steps=2",
+        "deepspeed=none",
+        "train.lr=3e-3",
+    ]
+    one = tmp_path / "one"
+    _ok(_run([*base, f"hydra.run.dir={one}"], run_env))
+    losses = _losses(one)
+    assert len(losses) == 6 and sum(losses[-2:]) < 0.85 * sum(losses[:2]), losses
+    manifest = json.loads((one / "manifest.json").read_text())
+    data = manifest["result"]["drafter_data"]
+    assert data["draft_vocab_size"] == 1024 and 0.9 < data["target_written_token_coverage"] <= 1.0
+    best = one / "best"
+    cfg_json = json.loads((best / "config.json").read_text())
+    assert cfg_json["draft_vocab_size"] == 1024 and cfg_json["draftsmith"]["d2t_hash"] == data["d2t_hash"]
+    assert "embed_tokens.weight" not in load_file(str(best / "model.safetensors"))
+
+    killed = tmp_path / "killed"
+    proc = _run([*base, f"hydra.run.dir={killed}"], run_env)
+    ckpt = killed / "checkpoints" / "step-000002" / "trainer_state.json"
+    deadline = time.time() + 600
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ckpt.exists() and not (killed / "manifest.json").exists()
+    out = _ok(_run([*base, f"hydra.run.dir={killed}", "resume=true"], run_env))
+    assert "resumed from" in out
+    assert _losses(killed) == pytest.approx(losses, rel=1e-6)
+    a = load_file(str(one / "checkpoints" / "step-000006" / "drafter" / "model.safetensors"))
+    b = load_file(str(killed / "checkpoints" / "step-000006" / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-7), k
