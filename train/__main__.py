@@ -57,6 +57,12 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
     return run_eval(cfg, run_dir)
 
 
+def _stage_export(cfg: Config, run_dir: Path) -> Any:
+    from train.export import run_export
+
+    return run_export(cfg, run_dir)
+
+
 def _stage_all(cfg: Config, run_dir: Path) -> Any:
     """synth -> (features) -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
     runs/<run_name>/{synth,train,eval}, where the single-stage commands look for them."""
@@ -76,6 +82,7 @@ STAGES: dict[str, tuple[Callable[[Config, Path], Any], str]] = {
     "features": (_stage_features, "precompute the target hidden states the drafter trains on (optional)"),
     "train": (_stage_train, "train the drafter (drafter=eagle) on the synth data with accelerate + DeepSpeed"),
     "eval": (_stage_eval, "held-out acceptance length and speedup of the drafter and its peers"),
+    "export": (_stage_export, "write the trained drafter in a serving engine's format (export.format=...)"),
     "all": (_stage_all, "the whole pipeline: synth -> train -> eval"),
     "merge": (_stage_merge, "join the shards of a sharded synth run (SLURM array) and write its manifest"),
 }

@@ -188,6 +188,21 @@ class EvalConfig:
 
 
 @dataclass
+class ExportConfig:
+    """Stage export: write a trained drafter in a serving engine's format (checked, then written atomically)."""
+
+    format: str | None = None
+    """eagle | sglang_eagle (drafter=eagle), hf (standalone), medusa (medusa); None lists the valid pairs."""
+    drafter_dir: str = "${train_dir}/best"
+    """The trained drafter to export (default: the train stage's best checkpoint)."""
+    out_dir: str = "${runs_root}/${run_name}/export/${export.format}"
+    eval_dir: str | None = "${runs_root}/${run_name}/eval"
+    """The eval stage's output whose held-out tau table goes into the model card (skipped when absent)."""
+    verify: bool = True
+    """Re-import the export and require the trained drafter's draft logits before renaming it into place."""
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"
     """offline (default; no account needed) | online (needs WANDB_API_KEY) | disabled."""
@@ -228,6 +243,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 

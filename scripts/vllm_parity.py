@@ -1,0 +1,343 @@
+"""vLLM parity: does vLLM measure the same acceptance as our eval decoder, for the same draft, prompts and K?
+
+Two halves, two environments:
+
+* ``python scripts/vllm_parity.py --synth-dir runs/quickstart/synth --draft target_layers:6 --k 3`` (the
+  project's environment) loads the target and the held-out prompts (``eval.heldout.load_heldout``), writes
+  the standalone draft as a plain HF directory with the target's tokenizer (``target_layers:N`` = the target's
+  first N layers, as ``eval.run.load_draft_model`` builds it; or pass an exported ``hf`` directory), decodes
+  every prompt greedily with our ``SpeculativeDecoder`` + ``DraftModelProposer`` (chain, K), then runs the
+  second half in the engine venv and compares.
+* ``.venv-engine/bin/python scripts/vllm_parity.py engine ...`` serves the target in vLLM (fp32, eager) with
+  ``speculative_config={"model": draft, "num_speculative_tokens": K}``, sends the same prompt token ids one
+  request at a time at temperature 0, and reads vLLM's spec-decode counters around each request
+  (``llm.get_metrics()``: drafts, draft tokens, accepted tokens, accepted per position).
+
+Both sides count the same way (vLLM: ``mean acceptance length = 1 + accepted / drafts``; ours: tau =
+mean(accepted + 1) over verification steps, bonus token included), so for identical outputs and drafts the
+numbers must agree; the comparison is reported per prompt and in total, with the outputs compared token by
+token. Create the engine venv with ``scripts/engine_env.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_PY = REPO / ".venv-engine" / "bin" / "python"
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+# ---------------------------------------------------------------------------------------------- engine side
+
+
+def _read_counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POS:
+            vals = [int(v) for v in m.values]
+            out["per_pos"] = [a + b for a, b in zip(out["per_pos"] + [0] * len(vals), vals, strict=False)]
+    return out
+
+
+def engine_main(args: argparse.Namespace) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(Path(args.prompts).read_text(encoding="utf-8"))
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.target,
+        dtype=args.dtype,
+        enforce_eager=True,
+        disable_log_stats=False,
+        max_model_len=args.max_model_len,
+        seed=0,
+        speculative_config={"model": args.draft, "num_speculative_tokens": args.k},
+    )
+    init_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False)
+    rows = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        before = _read_counters(llm)
+        out = llm.generate([TokensPrompt(prompt_token_ids=p["input_ids"])], params, use_tqdm=False)[0]
+        after = _read_counters(llm)
+        prev = before["per_pos"] + [0] * len(after["per_pos"])
+        per_pos = [a - b for a, b in zip(after["per_pos"], prev, strict=False)]
+        rows.append(
+            {
+                "id": p["id"],
+                "source": p["source"],
+                "tokens": list(out.outputs[0].token_ids),
+                "finish_reason": out.outputs[0].finish_reason,
+                "drafts": after["drafts"] - before["drafts"],
+                "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+                "accepted": after["accepted"] - before["accepted"],
+                "per_pos": per_pos,
+            }
+        )
+    result = {"init_s": round(init_s, 1), "generate_s": round(time.perf_counter() - t0, 1), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------ our side
+
+
+def prepare_draft(spec: str, target: Any, out: Path) -> Path:
+    """A plain HF draft directory with the target's tokenizer (``target_layers:N`` or an existing directory)."""
+    if not spec.startswith("target_layers:"):
+        return Path(spec)
+    from eval.run import load_draft_model
+    from train.atomic import atomic_dir
+    from train.export.core import check_tensors, read_shapes
+    from train.export.standalone import required_for, state_for, write_hf_dir
+
+    draft = load_draft_model(spec, target)
+    req = required_for(draft, target.model.config.vocab_size)
+    if (out / "config.json").is_file():
+        return out
+    with atomic_dir(out) as tmp:
+        write_hf_dir(draft, target.tokenizer, tmp, state_for(draft), {"draft_model": spec, "target": str(target.path)})
+        check_tensors(str(out), read_shapes(tmp, list(req)), req)
+    return out
+
+
+def ours(target: Any, draft_dir: Path, prompts: list[Any], k: int, max_new_tokens: int) -> list[dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import DraftModelProposer
+
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=target.model.dtype).eval()
+    prop = DraftModelProposer(
+        draft, target.model.config.vocab_size, num_tokens=k, mode="chain", target_tokenizer=target.tokenizer
+    )
+    dec = SpeculativeDecoder(target.model, prop, temperature=0.0)
+    rows = []
+    for p in prompts:
+        # decode K tokens further, then cut at max_new_tokens (see split_conventions)
+        r = dec.generate(torch.tensor([p.input_ids]), max_new_tokens + k, target.tokenizer.eos_token_id)
+        counted = split_conventions(r.tokens, r.stats.accepted_lengths, max_new_tokens, k)
+        rows.append({"id": p.id, "source": p.source, **counted})
+    return rows
+
+
+def split_conventions(tokens: list[int], accepted_lengths: list[int], max_new_tokens: int, k: int) -> dict[str, Any]:
+    """Per-step acceptances of one greedy chain decode, counted both ways, from a run with ``M + K`` new tokens.
+
+    Greedy chain acceptance is a prefix match, so a draft cut to ``n`` tokens accepts ``min(a, n)`` where the
+    uncut draft accepts ``a``; the steps up to the one that reaches ``M`` tokens are the same either way.
+
+    * eval convention (our eval stage, like HF): the draft is cut to ``remaining - 1`` tokens, so tokens that
+      ``max_new_tokens`` would discard are never verified or counted: ``a_eval = min(a, remaining - 1)``;
+    * engine convention (vLLM): every step verifies K drafted tokens and counts every accepted one, also those
+      the ``max_tokens`` limit then discards: ``a_engine = a``.
+    """
+    emitted, eval_a, engine_a = 1, [], []  # the first token comes from the prefill, without a draft
+    for a in accepted_lengths:
+        if emitted >= max_new_tokens:
+            break
+        remaining = max_new_tokens - emitted
+        eval_a.append(min(a, remaining - 1))
+        engine_a.append(a)
+        emitted += a + 1
+
+    def per_pos(acc: list[int]) -> list[int]:
+        return [sum(1 for a in acc if a > i) for i in range(k)]
+
+    return {
+        "tokens": tokens[:max_new_tokens],
+        "steps": len(eval_a),
+        "accepted": sum(eval_a),
+        "accepted_engine": sum(engine_a),
+        "per_pos": per_pos(eval_a),
+        "per_pos_engine": per_pos(engine_a),
+    }
+
+
+def _tau(accepted: int, steps: int) -> float:
+    return 1 + accepted / steps if steps else float("nan")
+
+
+def compare(our_rows: list[dict[str, Any]], eng_rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    per = []
+    for o, e in zip(our_rows, eng_rows, strict=True):
+        same = o["tokens"] == e["tokens"]
+        first_diff = next((i for i, (a, b) in enumerate(zip(o["tokens"], e["tokens"], strict=False)) if a != b), None)
+        per.append(
+            {
+                "id": f"{o['source']}:{o['id']}",
+                "tokens_identical": same,
+                "first_diff": first_diff,
+                "len_ours": len(o["tokens"]),
+                "len_vllm": len(e["tokens"]),
+                "ours_steps": o["steps"],
+                "ours_accepted": o["accepted"],
+                "ours_accepted_engine": o["accepted_engine"],
+                "vllm_drafts": e["drafts"],
+                "vllm_accepted": e["accepted"],
+                "tau_ours": _tau(o["accepted"], o["steps"]),
+                "tau_ours_engine": _tau(o["accepted_engine"], o["steps"]),
+                "tau_vllm": _tau(e["accepted"], e["drafts"]),
+            }
+        )
+
+    def pos(rows: list[dict[str, Any]], key: str = "per_pos") -> list[int]:
+        tot = [0] * k
+        for r in rows:
+            for i, v in enumerate(r[key][:k]):
+                tot[i] += v
+        return tot
+
+    o_steps, o_acc = sum(r["steps"] for r in our_rows), sum(r["accepted"] for r in our_rows)
+    o_acc_engine = sum(r["accepted_engine"] for r in our_rows)
+    e_drafts, e_acc = sum(r["drafts"] for r in eng_rows), sum(r["accepted"] for r in eng_rows)
+    return {
+        "k": k,
+        "prompts": len(per),
+        "tokens_identical": sum(p["tokens_identical"] for p in per),
+        "tau_ours": _tau(o_acc, o_steps),
+        "tau_ours_engine": _tau(o_acc_engine, o_steps),
+        "tau_vllm": _tau(e_acc, e_drafts),
+        "steps_ours": o_steps,
+        "drafts_vllm": e_drafts,
+        "accepted_ours": o_acc,
+        "accepted_vllm": e_acc,
+        "accepted_ours_engine": o_acc_engine,
+        "accepted_per_pos_ours": pos(our_rows),
+        "accepted_per_pos_ours_engine": pos(our_rows, "per_pos_engine"),
+        "accepted_per_pos_vllm": pos(eng_rows),
+        "per_prompt": per,
+    }
+
+
+def main_side(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from data.target import load_target
+    from eval.heldout import load_heldout
+    from train.config import TargetConfig
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(TargetConfig(device="cpu", dtype="float32"))
+    prompts = load_heldout(args.synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    draft_dir = prepare_draft(args.draft, target, out / "draft")
+    (out / "prompts.json").write_text(
+        json.dumps([{"id": p.id, "source": p.source, "input_ids": p.input_ids} for p in prompts]), encoding="utf-8"
+    )
+    engine_py = Path(args.engine_python)
+    if not engine_py.is_file():
+        raise SystemExit(f"{engine_py} not found: run scripts/engine_env.sh first")
+    results: dict[str, Any] = {
+        "draft": args.draft,
+        "target": str(target.path),
+        "synth_dir": str(args.synth_dir),
+        "max_new_tokens": args.max_new_tokens,
+        "runs": [],
+    }
+    for k in args.k:
+        t0 = time.perf_counter()
+        our_rows = ours(target, draft_dir, prompts, k, args.max_new_tokens)
+        ours_s = time.perf_counter() - t0
+        eng_out = out / f"vllm_k{k}.json"
+        cmd = [
+            str(engine_py),
+            str(Path(__file__).resolve()),
+            "engine",
+            "--target",
+            str(target.path),
+            "--draft",
+            str(draft_dir),
+            "--prompts",
+            str(out / "prompts.json"),
+            "--k",
+            str(k),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--out",
+            str(eng_out),
+        ]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        env.pop("PYTHONPATH", None)
+        if args.reuse_engine_output and eng_out.is_file():
+            res = subprocess.CompletedProcess(cmd, 0, "", "")
+        else:
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.engine_timeout)
+            (out / f"vllm_k{k}.log").write_text(res.stdout + res.stderr, encoding="utf-8")
+        if res.returncode != 0:
+            log = out / f"vllm_k{k}.log"
+            raise SystemExit(f"vLLM run failed (rc {res.returncode}); log: {log}\n{res.stderr[-3000:]}")
+        eng = json.loads(eng_out.read_text(encoding="utf-8"))
+        cmp = compare(our_rows, eng["rows"], k)
+        cmp.update({"ours_s": round(ours_s, 1), "vllm_init_s": eng["init_s"], "vllm_generate_s": eng["generate_s"]})
+        results["runs"].append(cmp)
+        print(
+            f"K={k}: tau ours (eval stage) {cmp['tau_ours']:.4f} ({cmp['steps_ours']} steps, {cmp['accepted_ours']} "
+            f"accepted) | ours, engine counting {cmp['tau_ours_engine']:.4f} "
+            f"({cmp['accepted_ours_engine']} accepted) | "
+            f"vLLM {cmp['tau_vllm']:.4f} ({cmp['drafts_vllm']} drafts, {cmp['accepted_vllm']} accepted) | "
+            f"outputs identical {cmp['tokens_identical']}/{cmp['prompts']} | per-pos ours "
+            f"{cmp['accepted_per_pos_ours']} (engine counting {cmp['accepted_per_pos_ours_engine']}) vLLM "
+            f"{cmp['accepted_per_pos_vllm']}",
+            flush=True,
+        )
+    (out / "parity.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return results
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    if argv[:1] == ["engine"]:
+        ap = argparse.ArgumentParser(description="engine half (run inside .venv-engine)")
+        ap.add_argument("--target", required=True)
+        ap.add_argument("--draft", required=True)
+        ap.add_argument("--prompts", required=True)
+        ap.add_argument("--k", type=int, required=True)
+        ap.add_argument("--max-new-tokens", type=int, required=True)
+        ap.add_argument("--out", required=True)
+        ap.add_argument("--dtype", default="float32")
+        ap.add_argument("--max-model-len", type=int, default=2048)
+        ns = ap.parse_args(argv[1:])
+        ns.mode = "engine"
+        return ns
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--synth-dir", default="runs/quickstart/synth")
+    ap.add_argument("--draft", default="target_layers:6", help="target_layers:N or a HF draft directory")
+    ap.add_argument("--k", type=int, nargs="+", default=[3])
+    ap.add_argument("--num-prompts", type=int, default=4, help="held-out prompts per source")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--out", default="runs/parity")
+    ap.add_argument("--engine-python", default=str(ENGINE_PY))
+    ap.add_argument("--engine-timeout", type=int, default=900)
+    ap.add_argument("--reuse-engine-output", action="store_true", help="reuse OUT/vllm_k*.json from a previous run")
+    ns = ap.parse_args(argv)
+    ns.mode = "main"
+    return ns
+
+
+if __name__ == "__main__":
+    _args = parse(sys.argv[1:])
+    if _args.mode == "engine":
+        engine_main(_args)
+    else:
+        sys.path.insert(0, str(REPO))
+        main_side(_args)

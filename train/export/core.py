@@ -1,0 +1,257 @@
+"""The export machinery shared by every format: the (family, format) table, tensor checks, provenance, model card.
+
+An exporter never writes a checkpoint it has not checked: the tensors are checked against the format's
+required names and shapes before anything is written, the files are written into a temporary directory,
+read back and checked again, re-imported by the project and compared with the trained drafter (same draft
+logits), and only then renamed onto ``export.out_dir`` (:func:`train.atomic.atomic_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from train.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+Shapes = dict[str, tuple[int, ...]]
+"""Tensor name -> shape."""
+
+
+class ExportError(ValueError):
+    """An export was refused: a required tensor is missing, a shape is wrong, or the re-import differs."""
+
+
+@dataclass
+class Source:
+    """What an exporter works from: the trained drafter, the target it was trained for, and the run's records."""
+
+    drafter_dir: Path
+    family: str
+    module: torch.nn.Module
+    """The trained drafter as the family loads it."""
+    drafter_cfg: Any
+    target: Any
+    """``data.target.Target`` (model, tokenizer, path, fingerprint)."""
+    target_name: str
+    train_manifest: dict[str, Any] | None = None
+    eval_metrics: dict[str, Any] | None = None
+    eval_table: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target_config(self) -> Any:
+        return self.target.model.config
+
+    def provenance(self, fmt: str) -> dict[str, Any]:
+        """The ``draftsmith`` block every exported ``config.json`` carries."""
+        cfg = asdict(self.drafter_cfg) if is_dataclass(self.drafter_cfg) else dict(self.drafter_cfg or {})
+        train = self.train_manifest or {}
+        return {
+            "drafter": cfg,
+            "export_format": fmt,
+            "target": {
+                "name": self.target_name,
+                "path": str(self.target.path),
+                "fingerprint": self.target.fingerprint,
+            },
+            "trained": {
+                "steps": (train.get("result") or {}).get("steps"),
+                "git_commit": train.get("git_commit"),
+                "written_at": train.get("written_at"),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Format:
+    """One (drafter family, export format) pair."""
+
+    family: str
+    name: str
+    doc: str
+    tensors: Callable[[Source], dict[str, dict[str, torch.Tensor]]]
+    """``tensors(src) -> {file name: {tensor name: tensor}}``: the weights in the format's names."""
+    required: Callable[[Source], dict[str, Shapes]]
+    """``required(src) -> {file name: {tensor name: shape}}``: every tensor the format must hold."""
+    write: Callable[[Source, Path, dict[str, dict[str, torch.Tensor]]], None]
+    """``write(src, tmp_dir, tensors)``: the weight files, config.json and any other engine files."""
+    load: Callable[[Path, Any], torch.nn.Module]
+    """The importer: ``load(export_dir, target) -> the family's module`` (used by the round-trip check)."""
+    probe: Callable[[torch.nn.Module, Any], torch.Tensor]
+    """``probe(module, target) -> draft logits`` on a fixed input: equal for the trained and re-imported drafter."""
+
+
+FORMATS: dict[tuple[str, str], Format] = {}
+PLANNED: dict[tuple[str, str], str] = {
+    ("eagle3", "speculators"): "EAGLE-3 in the speculators/vLLM format (speculators_config, layers.0.*, d2t, t2d)",
+    ("eagle3", "sglang_eagle3"): "EAGLE-3 for SGLang (LlamaForCausalLMEagle3, midlayer.*, d2t, t2d)",
+}
+"""Pairs the issue asks for that are not implemented yet: named in errors, never silently accepted."""
+
+
+def register_format(fmt: Format) -> Format:
+    key = (fmt.family, fmt.name)
+    if key in FORMATS:
+        raise ValueError(f"export format {key} is registered twice")
+    FORMATS[key] = fmt
+    return fmt
+
+
+def _load_builtin() -> None:
+    import train.export.eagle
+    import train.export.medusa
+    import train.export.standalone  # noqa: F401
+
+
+def valid_pairs() -> list[tuple[str, str]]:
+    _load_builtin()
+    return sorted(FORMATS)
+
+
+def pairs_text() -> str:
+    lines = [f"  drafter={f} export.format={n}: {FORMATS[(f, n)].doc}" for f, n in valid_pairs()]
+    planned = [f"  drafter={f} export.format={n}: {doc} (not implemented yet)" for (f, n), doc in PLANNED.items()]
+    return "Valid (drafter, format) pairs:\n" + "\n".join(lines) + ("\nPlanned:\n" + "\n".join(planned))
+
+
+def get_format(family: str, name: str | None) -> Format:
+    _load_builtin()
+    if not name:
+        raise ConfigError(f"export.format is not set.\n{pairs_text()}")
+    if (family, name) in PLANNED:
+        raise ConfigError(f"export.format={name} for drafter {family!r} is not implemented yet.\n{pairs_text()}")
+    if (family, name) not in FORMATS:
+        raise ConfigError(f"No exporter for drafter {family!r} in format {name!r}.\n{pairs_text()}")
+    return FORMATS[(family, name)]
+
+
+def check_tensors(where: str, tensors: Mapping[str, Mapping[str, Any]], required: Mapping[str, Shapes]) -> None:
+    """Refuse when a required file or tensor is missing, or a shape differs. ``tensors`` values need ``.shape``."""
+    problems: list[str] = []
+    for fname, req in required.items():
+        have = tensors.get(fname)
+        if have is None:
+            problems.append(f"file {fname} is missing")
+            continue
+        missing = [k for k in req if k not in have]
+        if missing:
+            problems.append(f"{fname}: missing tensors {missing}")
+        for k, shape in req.items():
+            if k in have and tuple(have[k].shape) != tuple(shape):
+                problems.append(f"{fname}: {k} has shape {list(have[k].shape)}, expected {list(shape)}")
+    if problems:
+        raise ExportError(f"refusing to write {where}:\n  " + "\n  ".join(problems))
+
+
+class _Shape:
+    def __init__(self, shape: list[int]) -> None:
+        self.shape = tuple(shape)
+
+
+def read_shapes(directory: Path, files: list[str]) -> dict[str, dict[str, _Shape]]:
+    """Read the tensor names and shapes of written safetensors files (no tensor data is loaded)."""
+    out: dict[str, dict[str, _Shape]] = {}
+    for fname in files:
+        path = directory / fname
+        if not path.is_file():
+            continue
+        with safe_open(str(path), "pt") as fh:
+            out[fname] = {k: _Shape(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
+    return out
+
+
+def check_safetensors_only(directory: Path) -> None:
+    bad = [p.name for p in directory.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl")]
+    if bad:
+        raise ExportError(f"export wrote non-safetensors weight files {bad}; exports are safetensors only")
+
+
+def contiguous(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def tau_table(metrics: dict[str, Any] | None, table: str | None) -> str:
+    if table:
+        return table.strip()
+    if not metrics:
+        return ""
+    lines = ["| source | method | tau | alpha_1..3 |", "|---|---|---|---|"]
+    for name, per in metrics.get("metrics", {}).items():
+        for src, m in per.items():
+            al = ", ".join(f"{a:.2f}" for a in (m.get("alpha") or [])[:3]) or "-"
+            lines.append(f"| {src} | {name} | {m['tau']:.2f} | {al} |")
+    return "\n".join(lines)
+
+
+def model_card(src: Source, fmt: Format, files: list[str]) -> str:
+    """``README.md`` of an export: what it is, what it was trained for and on, and its held-out tau."""
+    t = src.train_manifest or {}
+    conf = t.get("config") or {}
+    data, train = conf.get("data") or {}, conf.get("train") or {}
+    result = t.get("result") or {}
+    sources = ", ".join(
+        f"{name} ({s.get('kind')}, weight {s.get('weight')})" for name, s in (data.get("sources") or {}).items()
+    )
+    micro, accum = train.get("micro_batch_size"), train.get("grad_accum")
+    world = result.get("world_size") or 1
+    lines = [
+        f"# {src.family} drafter for {src.target_name} ({fmt.name} format)",
+        "",
+        f"{fmt.doc}. Exported by draftsmith (`python -m train stage=export export.format={fmt.name}`) on "
+        f"{time.strftime('%Y-%m-%d')}.",
+        "",
+        "## Target",
+        f"- name: `{src.target_name}`; path at export: `{src.target.path}`",
+        f"- fingerprint: `{src.target.fingerprint}` (config, vocabulary and weight layout; also in config.json "
+        "under `draftsmith.target`). Use this drafter only with this target.",
+        "",
+        "## Training",
+    ]
+    if t:
+        lines += [
+            f"- data: {sources or 'unknown'}; held-out fraction {data.get('heldout_fraction')} "
+            f"(split salt `{data.get('split_salt')}`), never trained on",
+            f"- synth data: `{(t.get('inputs') or {}).get('synth_dir')}` (target-regenerated answers: "
+            f"{(conf.get('synth') or {}).get('regenerate')})",
+            f"- budget: {result.get('steps')} optimizer steps x global batch {micro} x {accum} x {world} "
+            f"processes, max_seq_len {train.get('max_seq_len')}, lr {train.get('lr')}; "
+            f"{result.get('seconds')} s of training",
+            f"- drafter config: `{json.dumps(asdict(src.drafter_cfg) if is_dataclass(src.drafter_cfg) else {})}`",
+            f"- best checkpoint: {json.dumps(result.get('best'))}",
+        ]
+    else:
+        lines.append("- no train manifest was found beside the drafter directory: training data and budget unknown")
+    lines += ["", "## Held-out acceptance (eval stage)"]
+    table = tau_table(src.eval_metrics, src.eval_table)
+    if table:
+        settings = (src.eval_metrics or {}).get("settings") or {}
+        lines += [
+            "tau = tokens per target forward, bonus token included (plain decoding = 1.00); alpha_i = "
+            "P(position i accepted | i-1 accepted). "
+            + (
+                f"Greedy (temperature {settings.get('temperature')}), {settings.get('max_new_tokens')} new "
+                f"tokens, K={settings.get('k')}."
+                if settings
+                else ""
+            ),
+            "",
+            table,
+        ]
+    else:
+        lines.append("No eval stage results were found for this run (run `stage=eval` before exporting).")
+    lines += ["", "## Files", *[f"- `{f}`" for f in sorted(files)], ""]
+    return "\n".join(lines)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0

@@ -1,0 +1,111 @@
+"""Medusa heads in the Medusa repository's layout (``medusa``).
+
+FasterDecoding/Medusa (``medusa/model/medusa_model_legacy.py``): ``config.json`` holds MedusaConfig fields
+(``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``, ``version``) and
+``medusa_lm_head.safetensors`` the heads: ``{i}.{j}.linear.weight`` [H, H] / ``{i}.{j}.linear.bias`` [H]
+(head i, ResBlock j: ``x + SiLU(Linear(x))``); with per-head vocabulary projections (version 1,
+``own_lm_head=True``) also ``{i}.{L}.weight`` [V, H]. Version "2": the heads reuse the target's LM head.
+The project's module names the same tensors ``heads.{i}.{j}.linear.*`` (and ``heads.{i}.{L}.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from train.atomic import atomic_write_json
+from train.export.core import ExportError, Format, Shapes, Source, contiguous, register_format
+
+WEIGHTS = "medusa_lm_head.safetensors"
+PREFIX = "heads."
+
+
+def required(src: Source) -> dict[str, Shapes]:
+    c = src.drafter_cfg
+    H, V = src.target_config.hidden_size, src.target_config.vocab_size
+    req: Shapes = {}
+    for i in range(c.num_heads):
+        for j in range(c.num_layers):
+            req[f"{i}.{j}.linear.weight"] = (H, H)
+            req[f"{i}.{j}.linear.bias"] = (H,)
+        if c.own_lm_head:
+            req[f"{i}.{c.num_layers}.weight"] = (V, H)
+    return {WEIGHTS: req}
+
+
+def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
+    state = src.module.state_dict()
+    heads = {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
+    return {WEIGHTS: contiguous(heads)}
+
+
+def write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    c = src.drafter_cfg
+    save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
+    tc = src.target_config
+    conf = {
+        "architectures": ["MedusaModel"],
+        "medusa_num_heads": c.num_heads,
+        "medusa_num_layers": c.num_layers,
+        "base_model_name_or_path": str(src.target.path),
+        "version": "1" if c.own_lm_head else "2",
+        "hidden_size": tc.hidden_size,
+        "vocab_size": tc.vocab_size,
+        "draftsmith": src.provenance("medusa"),
+    }
+    atomic_write_json(out / "config.json", conf)
+
+
+def load(directory: Path, target: Any) -> torch.nn.Module:
+    """Import a Medusa export as the project's medusa module (built by the family, heads loaded strictly)."""
+    from train.drafters.registry import get
+
+    meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    spec = get("medusa")
+    saved = (meta.get("draftsmith") or {}).get("drafter") or {}
+    cfg = spec.config_cls(**saved) if saved else spec.config_cls()
+    cfg.num_heads, cfg.num_layers = int(meta["medusa_num_heads"]), int(meta["medusa_num_layers"])
+    cfg.own_lm_head = str(meta.get("version", "2")) == "1"
+    module = spec.build(cfg, target.model)
+    heads = {PREFIX + k: v for k, v in load_file(str(directory / WEIGHTS)).items()}
+    own = module.state_dict()
+    missing = [k for k in own if k.startswith(PREFIX) and k not in heads]
+    unexpected = [k for k in heads if k not in own]
+    if missing or unexpected:
+        raise ExportError(f"Medusa export {directory}: missing {missing}, unexpected {unexpected}")
+    module.load_state_dict(heads, strict=False)
+    return module.eval()
+
+
+@torch.no_grad()
+def probe(module: torch.nn.Module, target: Any) -> torch.Tensor:
+    """Every head's draft logits on the target's last hidden states of a fixed token sequence."""
+    from train.export.eagle import probe_ids
+
+    model = target.model
+    ids = probe_ids(model.config.vocab_size).to(target.device)
+    h = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    out = module(h)
+    if isinstance(out, list | tuple):
+        out = torch.stack(list(out))
+    if out.shape[-1] == model.config.hidden_size:  # heads return features; the LM head is the target's
+        out = model.get_output_embeddings()(out)
+    return out
+
+
+register_format(
+    Format(
+        family="medusa",
+        name="medusa",
+        doc="Medusa heads in the Medusa repository's layout (MedusaConfig + medusa_lm_head.safetensors)",
+        tensors=tensors,
+        required=required,
+        write=write,
+        load=load,
+        probe=probe,
+    )
+)
