@@ -153,6 +153,13 @@ def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, 
         raise ValueError(f"{path}/config.json does not say which drafter family it holds (draftsmith.drafter)")
     spec = registry.get(meta["name"])
     dcfg = spec.config_cls(**meta)
+    if (path / "tokenizer_config.json").is_file():  # a drafter that carries a tokenizer must carry the target's
+        from transformers import AutoTokenizer
+
+        from eval.proposers.draft_model import check_vocab_compatibility
+
+        vocab = target.model.config.vocab_size
+        check_vocab_compatibility(vocab, vocab, target.tokenizer, AutoTokenizer.from_pretrained(str(path)))
     return spec, spec.load(str(path), target.model, dcfg), dcfg
 
 
@@ -418,6 +425,7 @@ def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[s
             )
             if e.plot:
                 tracker.log({"acceptance": wandb.Image(str(run_dir / "acceptance.png"))})
+        tracker.files(run_dir, {"metrics": "metrics.json", "table": "table.md", "plot": "acceptance.png"})
     finally:
         tracker.finish()
     logger.info("held-out acceptance (tau = tokens per target forward, bonus included):\n%s", table)

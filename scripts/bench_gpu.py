@@ -1,11 +1,13 @@
-"""GPU check for stage train: the EAGLE head for a few hundred steps in bf16 with DeepSpeed ZeRO-2 on one
-GPU, then tokens/s and model FLOP utilisation (MFU). Sized to finish in under 8 minutes on one H200.
+"""GPU check for stage train: every drafter family (eagle, eagle3, medusa, standalone) for a few hundred steps
+in bf16 with DeepSpeed ZeRO-2 on one GPU, then tokens/s and model FLOP utilisation (MFU) per family. Sized to
+finish in under 8 minutes on one H200 (one synth run shared by all families).
 
-    python3 scripts/bench_gpu.py [--steps 300] [--peak-tflops 989]
+    python3 scripts/bench_gpu.py [--steps 150] [--families eagle,eagle3,medusa,standalone] [--peak-tflops 989]
 
-MFU counts the useful FLOPs per training step: the frozen target forward (2 N_target per sequence token,
-online features), the head's forward and backward (6 N_head per sequence token) and the LM-head
-cross-entropy on supervised tokens (target logits 2 H V, draft logits forward + backward 6 H V).
+MFU counts the useful FLOPs per training step (an estimate, per sequence token unless noted): the frozen
+target forward (2 N_target, online features), the drafter's forward and backward (6 N_trainable; EAGLE-3 runs
+its layer ``ttt_steps`` times), and the vocabulary projections on supervised tokens (target logits 2 H V;
+draft logits forward + backward 6 H V_draft, once per EAGLE-3 TTT step / Medusa head).
 Peak: dense bf16 of an H100/H200 SXM (989 TFLOP/s). Not run in CI (needs CUDA).
 """
 
@@ -22,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--families", default="eagle,eagle3,medusa,standalone")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--run-name", default="gpu_bench")
     args = ap.parse_args()
@@ -42,27 +45,6 @@ def main() -> None:
         cwd=REPO,
         check=True,
     )
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "train",
-            "stage=train",
-            *common,
-            "overwrite=true",
-            "train.features=online",
-            "train.dtype=bfloat16",
-            f"train.max_steps={args.steps}",
-            "train.micro_batch_size=16",
-            "train.save_every=100000",
-            "train.eval_prompts=4",
-            "deepspeed=zero2",
-        ],
-        cwd=REPO,
-        check=True,
-    )
-    m = json.loads((REPO / "runs" / args.run_name / "train" / "manifest.json").read_text())
-    r = m["result"]
     from transformers import AutoConfig
 
     from data.target import resolve_target_path
@@ -71,22 +53,56 @@ def main() -> None:
     tc = AutoConfig.from_pretrained(resolve_target_path(TargetConfig()))
     H, V = tc.hidden_size, tc.vocab_size
     n_target = 134.5e6
-    n_head = r["trainable_parameters"]
-    flops = (2 * n_target + 6 * n_head) * r["train_tokens_per_second"] + 8 * H * V * r["supervised_tokens_per_second"]
-    print(
-        json.dumps(
-            {
-                "sequence_tokens_per_s": r["train_tokens_per_second"],
-                "supervised_tokens_per_s": r["supervised_tokens_per_second"],
-                "achieved_tflops": round(flops / 1e12, 2),
-                "mfu": round(flops / (args.peak_tflops * 1e12), 4),
-                "steps": r["steps"],
-                "seconds": r["seconds"],
-                "best_tau": r["best"]["tau"],
-            },
-            indent=2,
+    results = {}
+    for family in args.families.split(","):
+        run = f"{args.run_name}_{family}"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "train",
+                "stage=train",
+                *common,
+                f"run_name={run}",
+                f"drafter={family}",
+                f"synth_dir=runs/{args.run_name}/synth",
+                "overwrite=true",
+                "train.features=online",
+                "train.dtype=bfloat16",
+                f"train.max_steps={args.steps}",
+                "train.micro_batch_size=16",
+                "train.save_every=100000",
+                "train.eval_prompts=4",
+                "deepspeed=zero2",
+            ],
+            cwd=REPO,
+            check=True,
         )
-    )
+        m = json.loads((REPO / "runs" / run / "train" / "manifest.json").read_text())
+        r, d = m["result"], m["config"]["drafter"]
+        n_train = r["trainable_parameters"]
+        if family == "eagle3":
+            vd = min(V, d["draft_vocab_size"] or V)
+            head = 6 * n_train * d["ttt_steps"]
+            vocab = 2 * H * V + 6 * H * vd * d["ttt_steps"]
+        elif family == "medusa":
+            head = 6 * n_train
+            vocab = (2 * H * V + 6 * H * V) * d["num_heads"]
+        else:
+            head = 6 * n_train
+            vocab = 8 * H * V
+        flops = (2 * n_target + head) * r["train_tokens_per_second"] + vocab * r["supervised_tokens_per_second"]
+        results[family] = {
+            "sequence_tokens_per_s": r["train_tokens_per_second"],
+            "supervised_tokens_per_s": r["supervised_tokens_per_second"],
+            "achieved_tflops": round(flops / 1e12, 2),
+            "mfu": round(flops / (args.peak_tflops * 1e12), 4),
+            "steps": r["steps"],
+            "seconds": r["seconds"],
+            "best_tau": r["best"]["tau"],
+        }
+        print(json.dumps({family: results[family]}), flush=True)
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -306,3 +306,9 @@ def test_save_load_round_trip(target, tmp_path: Path) -> None:
         plain = AutoModelForCausalLM.from_pretrained(out)
         assert torch.allclose(plain(input_ids=ids).logits, ref, atol=1e-5)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == target.tokenizer.get_vocab()
+    # The eval stage refuses a saved draft whose tokenizer is not the target's.
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_tokens(["<not_the_targets_token>"])
+    tok.save_pretrained(out)
+    with pytest.raises(ValueError, match="incompatible with the target tokenizer"):
+        load_drafter(str(out), target)
