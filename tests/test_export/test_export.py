@@ -190,9 +190,20 @@ def test_medusa_round_trip(target, tmp_path: Path):
         pytest.skip("medusa family not registered yet (train/drafters/medusa.py is being written): untested")
     cfg = spec.config_cls()
     module = spec.build(cfg, target.model)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a fresh head is the identity (zero Linear): make it distinct, and its rank counts
+        for name, t in module.state_dict().items():
+            if name.startswith("heads."):
+                t.add_(0.01 * torch.randn_like(t))
+            elif t.dtype == torch.long:
+                t.copy_(torch.randint(0, 50, t.shape))
     src = Source(tmp_path / "drafter", "medusa", module, cfg, target, "smollm2-135m")
-    res = export_drafter(src, get_format("medusa", "medusa"), tmp_path / "medusa")
+    fmt = get_format("medusa", "medusa")
+    res = export_drafter(src, fmt, tmp_path / "medusa")
     assert res["round_trip_max_abs_logit_diff"] == 0.0
+    imported = fmt.load(tmp_path / "medusa", target)
+    for name, t in module.state_dict().items():  # weights and the rank counts behind the default tree
+        assert torch.equal(t, imported.state_dict()[name]), name
     keys = _keys(tmp_path / "medusa" / "medusa_lm_head.safetensors")
     assert "0.0.linear.weight" in keys and f"{cfg.num_heads - 1}.0.linear.bias" in keys
     conf = json.loads((tmp_path / "medusa" / "config.json").read_text())

@@ -57,6 +57,10 @@ def write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -
         "vocab_size": tc.vocab_size,
         "draftsmith": src.provenance("medusa"),
     }
+    # Non-weight state the project's decoder uses (per-head rank accuracies -> the default static tree): kept
+    # in config.json, since medusa_lm_head.safetensors holds exactly the Medusa repository's tensors.
+    buffers = {k: v.tolist() for k, v in src.module.state_dict().items() if not k.startswith(PREFIX)}
+    conf["draftsmith"]["buffers"] = buffers
     atomic_write_json(out / "config.json", conf)
 
 
@@ -77,7 +81,8 @@ def load(directory: Path, target: Any) -> torch.nn.Module:
     unexpected = [k for k in heads if k not in own]
     if missing or unexpected:
         raise ExportError(f"Medusa export {directory}: missing {missing}, unexpected {unexpected}")
-    module.load_state_dict(heads, strict=False)
+    buffers = {k: torch.tensor(v) for k, v in ((meta.get("draftsmith") or {}).get("buffers") or {}).items()}
+    module.load_state_dict({**heads, **buffers}, strict=False)
     return module.eval()
 
 
