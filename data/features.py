@@ -88,7 +88,9 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
                         tensors[f"{i}.{layer}"] = hs[layer][j, :n].to("cpu").contiguous()
                 bar.update(len(group))
             atomic_write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
-    return write_manifest(
+    from train.tracking import log_stage
+
+    manifest = write_manifest(
         out / "manifest.json",
         "features",
         cfg,
@@ -102,6 +104,14 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
         bytes=nbytes,
         timings={"seconds": round(time.perf_counter() - t0, 2)},
     )
+    log_stage(
+        cfg,
+        out,
+        "features",
+        {"rows": len(rows), "tokens": tokens, "bytes": nbytes, "layers": str(layers), "timings": manifest["timings"]},
+        {"manifest": "manifest.json", "parts": "part-*.safetensors"},
+    )
+    return manifest
 
 
 class FeatureStore:

@@ -371,6 +371,15 @@ def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any
         },
         files={"data": "data/chunk-*.parquet", "heldout": "heldout.jsonl"},
     )
+    from train.tracking import log_stage
+
+    log_stage(
+        cfg,
+        out,
+        "synth",
+        {"counts": manifest["counts"], "timings": manifest["timings"], "skipped": manifest["skipped"]},
+        {"manifest": "manifest.json", **manifest["files"]},
+    )
     logger.info(
         "synth: %d rows, %d tokens generated at %.1f tok/s; skipped %s",
         rows,

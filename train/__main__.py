@@ -63,6 +63,12 @@ def _stage_export(cfg: Config, run_dir: Path) -> Any:
     return run_export(cfg, run_dir)
 
 
+def _stage_compare(cfg: Config, run_dir: Path) -> Any:
+    from train.compare import run_compare
+
+    return run_compare(cfg, run_dir)
+
+
 def _stage_all(cfg: Config, run_dir: Path) -> Any:
     """synth -> (features) -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
     runs/<run_name>/{synth,train,eval}, where the single-stage commands look for them."""
@@ -85,6 +91,7 @@ STAGES: dict[str, tuple[Callable[[Config, Path], Any], str]] = {
     "export": (_stage_export, "write the trained drafter in a serving engine's format (export.format=...)"),
     "all": (_stage_all, "the whole pipeline: synth -> train -> eval"),
     "merge": (_stage_merge, "join the shards of a sharded synth run (SLURM array) and write its manifest"),
+    "compare": (_stage_compare, "runs side by side (runs=[runs/a,runs/b]): tau per domain, speedup, tokens/s, budget"),
 }
 
 
@@ -130,6 +137,10 @@ def main(dcfg: DictConfig) -> Any:
     cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     check_stage(cfg.stage)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.launcher != "local":  # launcher=slurm: submit the stage as SLURM job(s) instead of running it here
+        from train.cluster import submit
+
+        return submit(cfg, run_dir, list(HydraConfig.get().overrides.task))
     setup_runtime(cfg)
     logger.info("stage %s -> %s", cfg.stage, run_dir)
     return STAGES[cfg.stage][0](cfg, run_dir)

@@ -218,6 +218,53 @@ class RuntimeConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """launcher=slurm: how ``python -m train stage=... launcher=slurm`` fills the sbatch templates in ``slurm/``.
+
+    The defaults run on the single-node test cluster (``scripts/slurm_local.sh``); on a GPU cluster set
+    partition, account, nodes, gpus_per_node and time.
+    """
+
+    partition: str | None = None
+    """sbatch --partition (None: the cluster's default partition)."""
+    account: str | None = None
+    """sbatch --account (None: your default account)."""
+    nodes: int = 1
+    """Nodes of the training job (one srun task per node launches its per-GPU processes with torchrun)."""
+    gpus_per_node: int = 0
+    """GPUs per node (torchrun --nproc_per_node). 0: a CPU job with tasks_per_node processes over gloo."""
+    tasks_per_node: int = 1
+    """CPU jobs (gpus_per_node=0): training processes per node, one srun task each."""
+    cpus_per_task: int = 2
+    """sbatch --cpus-per-task (also the torch threads of a CPU task)."""
+    mem: str | None = None
+    """sbatch --mem, e.g. 200G (None: the partition's default)."""
+    time: str = "01:00:00"
+    """sbatch --time of every job (train jobs are requeued past it, see max_requeues)."""
+    signal_grace: int = 120
+    """Seconds before the time limit at which the training processes get SIGUSR2 (--signal=USR2@grace):
+    they checkpoint at the next step, then the job requeues itself."""
+    max_requeues: int = 3
+    """How often a training job requeues itself after a preemption signal before giving up."""
+    array: int = 2
+    """stage=synth: shards, one job-array task each (synth.num_shards = the array size)."""
+    array_parallel: int | None = None
+    """At most this many array tasks at once (--array=0-N%P; None: no limit)."""
+    master_port: int = 29500
+    """Rendezvous port on the first node of a training job."""
+    python: str | None = None
+    """The interpreter jobs run (None: the one that submits)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run at the top of every job (module load ..., source venv/bin/activate)."""
+    extra: list[str] = field(default_factory=list)
+    """Extra #SBATCH lines, e.g. ["--qos=high", "--constraint=h100"]."""
+    snapshot: bool = True
+    """Copy the code into the job directory (jobs run that copy, not the working tree)."""
+    dry_run: bool = False
+    """Write the job directory and scripts but do not call sbatch."""
+
+
+@dataclass
 class Config:
     """The root of the configuration tree."""
 
@@ -246,6 +293,11 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    launcher: str = "local"
+    """local: run the stage in this process | slurm: submit it as SLURM job(s) (see ``slurm``)."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    runs: list[str] = field(default_factory=list)
+    """stage=compare: run directories (runs/<name>, a stage directory, or a W&B offline run directory)."""
 
 
 DRAFTER_SCHEMAS: dict[str, str] = {

@@ -485,6 +485,9 @@ class Trainer:
             )
             if self.tracker:
                 self.tracker.summary({"best_tau": self.best["tau"], "best_step": self.best["step"]})
+                self.tracker.summary({f"result/{k}": v for k, v in result.items() if isinstance(v, int | float)})
+                files = {"manifest": "manifest.json", "best": "best", "checkpoints": "checkpoints"}
+                self.tracker.files(self.run_dir, files)
         return result
 
     def cleanup(self) -> None:

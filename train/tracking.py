@@ -55,6 +55,10 @@ class Tracker:
             for k, v in values.items():
                 self.run.summary[k] = v
 
+    def files(self, base: Path, files: dict[str, str]) -> None:
+        """Record where a stage's outputs are (absolute paths, in the run summary under ``files/``)."""
+        self.summary({f"files/{k}": str((base / v).resolve()) for k, v in files.items()})
+
     @property
     def dir(self) -> str | None:
         return None if self.run is None else str(self.run.dir)
@@ -63,3 +67,35 @@ class Tracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}`` (numbers and strings only)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= flatten(v, key + "/")
+        elif isinstance(v, int | float | str | bool) or v is None:
+            out[key] = v
+    return out
+
+
+def log_stage(cfg: Any, run_dir: Path, stage: str, summary: dict[str, Any], files: dict[str, str]) -> None:
+    """One W&B run for a stage that has no per-step metrics (synth, features): the resolved config, the
+    stage's counts and timings as summary, and where its outputs are. Named ``<run_name>-<stage>``, grouped by
+    ``run_name``; a W&B failure never fails the stage."""
+    from dataclasses import asdict
+
+    try:
+        tracker = Tracker(cfg.wandb, run_dir, f"{cfg.run_name}-{stage}", cfg.run_name, stage, asdict(cfg))
+    except ConfigError:
+        raise
+    except Exception as exc:  # wandb missing or broken: the stage's own outputs are what matter
+        logger.warning("W&B logging of stage %s skipped: %s", stage, exc)
+        return
+    try:
+        tracker.summary({k: v for k, v in flatten(summary).items() if v is not None})
+        tracker.files(run_dir, files)
+    finally:
+        tracker.finish()
