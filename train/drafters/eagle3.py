@@ -288,7 +288,9 @@ def loss_fn(
         past = kv  # the attention returns the earlier steps' keys/values followed by this step's
         keep = valid[:, j : j + T]  # entry t counts if x[t+j+2] is target-written and the target's top is drafted
         n = int(keep.sum())
-        if n == 0:
+        if n == 0:  # every process must report the same metric keys (they are all-reduced as one vector)
+            metrics[f"acc_top1_pos{j + 1}"] = torch.tensor(0.0)
+            metrics[f"loss_step{j + 1}"] = torch.tensor(0.0)
             continue
         d_logp = torch.log_softmax(core.draft_logits(h[keep]).float(), -1)
         tp = t_p[:, 1 + j : 1 + j + T][keep]
