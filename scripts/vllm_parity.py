@@ -8,10 +8,16 @@ Two halves, two environments:
   first N layers, as ``eval.run.load_draft_model`` builds it; or pass an exported ``hf`` directory), decodes
   every prompt greedily with our ``SpeculativeDecoder`` + ``DraftModelProposer`` (chain, K), then runs the
   second half in the engine venv and compares.
+* ``python scripts/vllm_parity.py --drafter runs/quickstart_eagle3/train/best --k 3`` does the same for a drafter
+  the pipeline trained: our side decodes with the family's own proposer (``eval.run.load_drafter`` +
+  ``spec.proposer`` with ``decode=chain, chain_k=K``, exactly as the eval stage does), the engine side serves the
+  drafter's export (made with the export stage's machinery into ``OUT/export_<format>``, or ``--export-dir``):
+  an EAGLE-3 head in the speculators format (``{"method": "eagle3", "model": dir}``), a standalone draft as its
+  ``hf`` directory (``{"model": dir}``).
 * ``.venv-engine/bin/python scripts/vllm_parity.py engine ...`` serves the target in vLLM (fp32, eager) with
-  ``speculative_config={"model": draft, "num_speculative_tokens": K}``, sends the same prompt token ids one
-  request at a time at temperature 0, and reads vLLM's spec-decode counters around each request
-  (``llm.get_metrics()``: drafts, draft tokens, accepted tokens, accepted per position).
+  ``speculative_config={"model": draft, "num_speculative_tokens": K}`` (plus ``"method"`` when given), sends
+  the same prompt token ids one request at a time at temperature 0, and reads vLLM's spec-decode counters
+  around each request (``llm.get_metrics()``: drafts, draft tokens, accepted tokens, accepted per position).
 
 Both sides count the same way (vLLM: ``mean acceptance length = 1 + accepted / drafts``; ours: tau =
 mean(accepted + 1) over verification steps, bonus token included), so for identical outputs and drafts the
@@ -54,6 +60,13 @@ def _read_counters(llm: Any) -> dict[str, Any]:
     return out
 
 
+def spec_config(draft: str, k: int, method: str | None) -> dict[str, Any]:
+    conf: dict[str, Any] = {"model": draft, "num_speculative_tokens": k}
+    if method:
+        conf["method"] = method
+    return conf
+
+
 def engine_main(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
@@ -68,7 +81,7 @@ def engine_main(args: argparse.Namespace) -> None:
         disable_log_stats=False,
         max_model_len=args.max_model_len,
         seed=0,
-        speculative_config={"model": args.draft, "num_speculative_tokens": args.k},
+        speculative_config=spec_config(args.draft, args.k, args.method),
     )
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False)
@@ -118,17 +131,62 @@ def prepare_draft(spec: str, target: Any, out: Path) -> Path:
     return out
 
 
-def ours(target: Any, draft_dir: Path, prompts: list[Any], k: int, max_new_tokens: int) -> list[dict[str, Any]]:
-    import torch
+def draft_model_proposer(target: Any, draft_dir: Path, k: int) -> Any:
+    """Our chain proposer for a plain HF draft directory."""
     from transformers import AutoModelForCausalLM
 
-    from eval.decoder import SpeculativeDecoder
     from eval.proposers import DraftModelProposer
 
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=target.model.dtype).eval()
-    prop = DraftModelProposer(
+    return DraftModelProposer(
         draft, target.model.config.vocab_size, num_tokens=k, mode="chain", target_tokenizer=target.tokenizer
     )
+
+
+def drafter_proposer(target: Any, drafter_dir: Path, k: int) -> Any:
+    """The family's own proposer for a trained drafter, as the eval stage builds it (chain, K)."""
+    import copy
+
+    from eval.run import load_drafter
+
+    spec, module, dcfg = load_drafter(str(drafter_dir), target)
+    d = copy.copy(dcfg)
+    d.decode, d.chain_k = "chain", k
+    return spec.proposer(module, target.model, d)
+
+
+def engine_format(family: str) -> tuple[str, str | None]:
+    """(export format, speculative_config method) vLLM serves a drafter family with."""
+    formats: dict[str, tuple[str, str | None]] = {"eagle3": ("speculators", "eagle3"), "standalone": ("hf", None)}
+    if family not in formats:
+        raise SystemExit(f"vLLM parity covers eagle3 (speculators) and standalone (hf) drafters, not {family!r}")
+    return formats[family]
+
+
+def export_for_engine(target: Any, drafter_dir: Path, out: Path) -> tuple[Path, str | None]:
+    """Export a trained drafter in the format vLLM serves (checked and round-tripped by the export stage)."""
+    from eval.run import load_drafter
+    from train.export import drafter_family, export_drafter
+    from train.export.core import Source, get_format
+
+    family = drafter_family(drafter_dir)
+    fmt_name, method = engine_format(family)
+    dest = out / f"export_{fmt_name}"
+    _, module, dcfg = load_drafter(str(drafter_dir), target)
+    src = Source(drafter_dir, family, module, dcfg, target, "parity")
+    if dest.exists():
+        import shutil
+
+        shutil.rmtree(dest)
+    export_drafter(src, get_format(family, fmt_name), dest)
+    return dest, method
+
+
+def ours(target: Any, prop: Any, prompts: list[Any], k: int, max_new_tokens: int) -> list[dict[str, Any]]:
+    import torch
+
+    from eval.decoder import SpeculativeDecoder
+
     dec = SpeculativeDecoder(target.model, prop, temperature=0.0)
     rows = []
     for p in prompts:
@@ -240,7 +298,17 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(TargetConfig(device="cpu", dtype="float32"))
     prompts = load_heldout(args.synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
-    draft_dir = prepare_draft(args.draft, target, out / "draft")
+    method: str | None = args.method
+    if args.drafter:
+        if args.export_dir:
+            from train.export import drafter_family
+
+            draft_dir, method = Path(args.export_dir), engine_format(drafter_family(Path(args.drafter)))[1]
+        else:
+            draft_dir, method = export_for_engine(target, Path(args.drafter), out)
+        method = args.method or method
+    else:
+        draft_dir = prepare_draft(args.draft, target, out / "draft")
     (out / "prompts.json").write_text(
         json.dumps([{"id": p.id, "source": p.source, "input_ids": p.input_ids} for p in prompts]), encoding="utf-8"
     )
@@ -248,7 +316,9 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     if not engine_py.is_file():
         raise SystemExit(f"{engine_py} not found: run scripts/engine_env.sh first")
     results: dict[str, Any] = {
-        "draft": args.draft,
+        "draft": args.drafter or args.draft,
+        "engine_draft_dir": str(draft_dir),
+        "method": method,
         "target": str(target.path),
         "synth_dir": str(args.synth_dir),
         "max_new_tokens": args.max_new_tokens,
@@ -256,7 +326,12 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     }
     for k in args.k:
         t0 = time.perf_counter()
-        our_rows = ours(target, draft_dir, prompts, k, args.max_new_tokens)
+        prop = (
+            drafter_proposer(target, Path(args.drafter), k)
+            if args.drafter
+            else draft_model_proposer(target, draft_dir, k)
+        )
+        our_rows = ours(target, prop, prompts, k, args.max_new_tokens)
         ours_s = time.perf_counter() - t0
         eng_out = out / f"vllm_k{k}.json"
         cmd = [
@@ -275,6 +350,7 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
             str(args.max_new_tokens),
             "--out",
             str(eng_out),
+            *(["--method", method] if method else []),
         ]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         env.pop("PYTHONPATH", None)
@@ -313,6 +389,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         ap.add_argument("--k", type=int, required=True)
         ap.add_argument("--max-new-tokens", type=int, required=True)
         ap.add_argument("--out", required=True)
+        ap.add_argument("--method", default=None, help="speculative_config method (eagle3); none: a draft model")
         ap.add_argument("--dtype", default="float32")
         ap.add_argument("--max-model-len", type=int, default=2048)
         ns = ap.parse_args(argv[1:])
@@ -321,6 +398,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--synth-dir", default="runs/quickstart/synth")
     ap.add_argument("--draft", default="target_layers:6", help="target_layers:N or a HF draft directory")
+    ap.add_argument(
+        "--drafter",
+        default=None,
+        help="a trained drafter directory (eagle3, standalone): ours = its family's chain proposer, vLLM = its export",
+    )
+    ap.add_argument("--export-dir", default=None, help="with --drafter: serve this export instead of exporting anew")
+    ap.add_argument("--method", default=None, help="speculative_config method for the engine (default: by family)")
     ap.add_argument("--k", type=int, nargs="+", default=[3])
     ap.add_argument("--num-prompts", type=int, default=4, help="held-out prompts per source")
     ap.add_argument("--max-new-tokens", type=int, default=32)

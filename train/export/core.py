@@ -92,10 +92,7 @@ class Format:
 
 
 FORMATS: dict[tuple[str, str], Format] = {}
-PLANNED: dict[tuple[str, str], str] = {
-    ("eagle3", "speculators"): "EAGLE-3 in the speculators/vLLM format (speculators_config, layers.0.*, d2t, t2d)",
-    ("eagle3", "sglang_eagle3"): "EAGLE-3 for SGLang (LlamaForCausalLMEagle3, midlayer.*, d2t, t2d)",
-}
+PLANNED: dict[tuple[str, str], str] = {}
 """Pairs the issue asks for that are not implemented yet: named in errors, never silently accepted."""
 
 
@@ -109,6 +106,7 @@ def register_format(fmt: Format) -> Format:
 
 def _load_builtin() -> None:
     import train.export.eagle
+    import train.export.eagle3
     import train.export.medusa
     import train.export.standalone  # noqa: F401
 
@@ -121,7 +119,9 @@ def valid_pairs() -> list[tuple[str, str]]:
 def pairs_text() -> str:
     lines = [f"  drafter={f} export.format={n}: {FORMATS[(f, n)].doc}" for f, n in valid_pairs()]
     planned = [f"  drafter={f} export.format={n}: {doc} (not implemented yet)" for (f, n), doc in PLANNED.items()]
-    return "Valid (drafter, format) pairs:\n" + "\n".join(lines) + ("\nPlanned:\n" + "\n".join(planned))
+    return (
+        "Valid (drafter, format) pairs:\n" + "\n".join(lines) + ("\nPlanned:\n" + "\n".join(planned) if planned else "")
+    )
 
 
 def get_format(family: str, name: str | None) -> Format:

@@ -1,0 +1,456 @@
+"""EAGLE-3 heads in the speculators / vLLM format (``speculators``) and for SGLang (``sglang_eagle3``).
+
+Both hold the same weights as :class:`train.drafters.eagle3.Eagle3Head`; only names and config differ
+(shared/FORMATS.md).
+
+``speculators`` -- as ``speculators`` 0.9.0 itself writes an EAGLE-3 (checked against ``speculators train
+--speculator-type eagle3 --dry-run --no-norm-before-residual --no-norm-before-fc --no-norm-output
+--full-attention-indices 0 --d2t-path ... --t2d-path ...`` for the same target on this machine):
+
+* ``model.safetensors``: ``embed_tokens.weight`` (the target's input embedding, frozen), ``fc.weight``
+  [H, k*H], ``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
+  ``layers.0.self_attn.{q,k,v,o}_proj.weight`` (q/k/v take 2H inputs), ``layers.0.mlp.{gate,up,down}_proj.weight``,
+  ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` (int64) and ``t2d`` (bool). Like speculators,
+  ``d2t``/``t2d`` are left out when the draft vocabulary is the full vocabulary (vLLM then has no
+  ``draft_id_to_target_id`` parameter and refuses a ``d2t``).
+* ``config.json``: ``architectures: ["Eagle3DraftModel"]``, ``auto_map`` + ``config.py`` (speculators writes
+  its config class's source; we write a one-line re-export of the same class), ``speculators_model_type``,
+  ``speculators_version``, ``speculators_config`` (greedy proposal, verifier = the target directory),
+  ``transformer_layer_config`` (the draft layer's LlamaConfig, full attention), ``draft_vocab_size``,
+  ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states`` indices = vLLM's aux layer ids: vLLM captures
+  the residual stream entering decoder layer i, which is HF ``hidden_states[i]``) and the norm flags of our
+  head's math: ``norm_before_fc=false`` (no RMSNorm on the fused features), ``fc_norm=false``,
+  ``norm_before_residual=false`` (the residual is the un-normed feature; vLLM defaults this flag to *true*
+  when absent, so it is always written), ``norm_output=false`` (the pre-norm output is fed back; logits use
+  ``norm``).
+
+``sglang_eagle3`` -- SpecForge's layout: our own checkpoint names (``midlayer.*``, ``fc``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``; no ``embed_tokens``) and a ``LlamaForCausalLMEagle3`` config. SGLang takes the
+aux layers from the draft's ``eagle_config.eagle_aux_hidden_state_layer_ids`` as 0-based indices of the
+decoder layer whose *output* is captured (it captures at ``id + 1``), i.e. HF index - 1; without them it
+uses ``[2, N//2, N-3]`` as capture points (= HF indices). So the default layers are left implicit (both
+engines then agree) and other layers are written in SGLang's convention.
+
+Both exporters refuse a head whose d2t/t2d are missing, inconsistent (:func:`check_vocab_maps`) or not the
+ones it was trained with (``d2t_hash`` in the drafter's config.json).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from train.atomic import atomic_write_json
+from train.drafters.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, resolve_layer_ids, vocab_hash
+from train.export.core import ExportError, Format, Shapes, Source, contiguous, register_format
+
+WEIGHTS = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"
+SPECULATORS_CONFIG_PY = '''"""Written by draftsmith: the class ``auto_map`` names (speculators writes its source)."""
+
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+__all__ = ["Eagle3SpeculatorConfig"]
+'''
+VOCAB_REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "t2d", "d2t")
+"""What SpecForge's exporter refuses to write without (``specforge/export/to_sglang.py``)."""
+NORM_FLAGS = {"norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "norm_output": False}
+"""The speculators/vLLM norm flags that describe :class:`Eagle3Head`'s math; other values are refused on import."""
+
+
+# --------------------------------------------------------------------------------------------- the source
+
+
+def _head(src: Source) -> Eagle3Head:
+    if not isinstance(src.module, Eagle3Head):
+        raise ExportError(f"{src.drafter_dir}: expected an EAGLE-3 head, got {type(src.module).__name__}")
+    return src.module
+
+
+def _layer_ids(src: Source) -> list[int]:
+    cfg = src.drafter_cfg if isinstance(src.drafter_cfg, Eagle3Config) else Eagle3Config()
+    ids = resolve_layer_ids(cfg, src.target_config)
+    if len(ids) * _head(src).hidden_size != _head(src).fc.in_features:
+        raise ExportError(f"{src.drafter_dir}: fc takes {_head(src).fc.in_features} inputs but layer_ids={ids}")
+    return ids
+
+
+def _full_vocab(src: Source) -> bool:
+    return _head(src).draft_vocab_size == src.target_config.vocab_size
+
+
+def _trained_hash(src: Source) -> str | None:
+    if "d2t_hash" in src.extra:
+        return str(src.extra["d2t_hash"])
+    conf = Path(src.drafter_dir) / "config.json"
+    if not conf.is_file():
+        return None
+    h = (json.loads(conf.read_text(encoding="utf-8")).get("draftsmith") or {}).get("d2t_hash")
+    return None if h is None else str(h)
+
+
+def check_vocab(src: Source, state: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse d2t/t2d that are missing, inconsistent with each other, or not the trained head's."""
+    if "d2t" not in state or "t2d" not in state:
+        missing = [k for k in ("d2t", "t2d") if k not in state]
+        raise ExportError(f"refusing to write {where}: missing vocabulary map tensors {missing}")
+    vd = int(state["lm_head.weight"].shape[0]) if "lm_head.weight" in state else _head(src).draft_vocab_size
+    try:
+        check_vocab_maps(state["d2t"].cpu(), state["t2d"].cpu(), vd, src.target_config.vocab_size)
+    except ValueError as e:
+        raise ExportError(f"refusing to write {where}: {e}") from e
+    expected = _trained_hash(src)
+    if expected is None:
+        raise ExportError(
+            f"refusing to write {where}: {src.drafter_dir}/config.json records no d2t_hash, so the vocabulary "
+            "map cannot be checked against the one the head was trained with"
+        )
+    got = vocab_hash(state["d2t"].cpu())
+    if got != expected:
+        raise ExportError(
+            f"refusing to write {where}: d2t (hash {got}) is not the vocabulary map the head was trained with "
+            f"(hash {expected}); a d2t rebuilt from other data collapses acceptance silently"
+        )
+
+
+def _dims(tcfg: Any) -> dict[str, int]:
+    H = tcfg.hidden_size
+    nh = tcfg.num_attention_heads
+    nkv = getattr(tcfg, "num_key_value_heads", None) or nh
+    hd = getattr(tcfg, "head_dim", None) or H // nh
+    return {"H": H, "V": tcfg.vocab_size, "I": tcfg.intermediate_size, "q": nh * hd, "kv": nkv * hd}
+
+
+def _layer_shapes(prefix: str, d: dict[str, int]) -> Shapes:
+    H, I_, q, kv = d["H"], d["I"], d["q"], d["kv"]
+    return {
+        prefix + "input_layernorm.weight": (H,),
+        prefix + "hidden_norm.weight": (H,),
+        prefix + "post_attention_layernorm.weight": (H,),
+        prefix + "self_attn.q_proj.weight": (q, 2 * H),
+        prefix + "self_attn.k_proj.weight": (kv, 2 * H),
+        prefix + "self_attn.v_proj.weight": (kv, 2 * H),
+        prefix + "self_attn.o_proj.weight": (H, q),
+        prefix + "mlp.gate_proj.weight": (I_, H),
+        prefix + "mlp.up_proj.weight": (I_, H),
+        prefix + "mlp.down_proj.weight": (H, I_),
+    }
+
+
+def _required(src: Source, prefix: str, embed: bool, vocab_maps: bool) -> dict[str, Shapes]:
+    d = _dims(src.target_config)
+    H, V = d["H"], d["V"]
+    vd = _head(src).draft_vocab_size
+    req: Shapes = {"fc.weight": (H, len(_layer_ids(src)) * H), "norm.weight": (H,), "lm_head.weight": (vd, H)}
+    req.update(_layer_shapes(prefix, d))
+    if vocab_maps:
+        req.update({"d2t": (vd,), "t2d": (V,)})
+    if embed:
+        req["embed_tokens.weight"] = (V, H)
+    return {WEIGHTS: req}
+
+
+def _state(src: Source, prefix: str, embed: bool, vocab_maps: bool) -> dict[str, torch.Tensor]:
+    head = _head(src)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in head.state_dict().items():
+        if k.startswith("rotary."):
+            continue
+        if k.startswith("embed_tokens.") and not embed:
+            continue
+        if k in ("d2t", "t2d") and not vocab_maps:
+            continue
+        out[prefix + k[len("midlayer.") :] if k.startswith("midlayer.") else k] = v
+    return contiguous(out)
+
+
+def _drafter_meta(src: Source, fmt: str) -> dict[str, Any]:
+    meta = src.provenance(fmt)
+    meta["d2t_hash"] = vocab_hash(_head(src).d2t.cpu())
+    meta["layer_ids"] = _layer_ids(src)
+    return meta
+
+
+# ---------------------------------------------------------------------------------------- speculators
+
+
+def spec_required(src: Source) -> dict[str, Shapes]:
+    return _required(src, "layers.0.", embed=True, vocab_maps=not _full_vocab(src))
+
+
+def spec_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
+    return {WEIGHTS: _state(src, "layers.0.", embed=True, vocab_maps=not _full_vocab(src))}
+
+
+def _layer_config(tcfg: Any) -> dict[str, Any]:
+    """``transformer_layer_config``: the keys speculators 0.9 writes for a Llama draft layer (full attention)."""
+    conf = tcfg.to_dict()
+    rope = conf.get("rope_parameters") or {"rope_theta": conf.get("rope_theta", 10000.0), "rope_type": "default"}
+    return {
+        "attention_bias": bool(conf.get("attention_bias", False)),
+        "attention_dropout": conf.get("attention_dropout", 0.0),
+        "bos_token_id": conf.get("bos_token_id"),
+        "eos_token_id": conf.get("eos_token_id"),
+        "head_dim": _dims(tcfg)["q"] // tcfg.num_attention_heads,
+        "hidden_act": conf.get("hidden_act", "silu"),
+        "hidden_size": tcfg.hidden_size,
+        "initializer_range": conf.get("initializer_range", 0.02),
+        "intermediate_size": tcfg.intermediate_size,
+        "layer_types": ["full_attention"],
+        "max_position_embeddings": conf.get("max_position_embeddings"),
+        "mlp_bias": bool(conf.get("mlp_bias", False)),
+        "model_type": "llama",
+        "num_attention_heads": tcfg.num_attention_heads,
+        "num_hidden_layers": 1,
+        "num_key_value_heads": _dims(tcfg)["kv"] // (_dims(tcfg)["q"] // tcfg.num_attention_heads),
+        "pad_token_id": None,
+        "pretraining_tp": conf.get("pretraining_tp", 1),
+        "rms_norm_eps": tcfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "sliding_window": 2048,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": tcfg.vocab_size,
+    }
+
+
+def spec_config(src: Source) -> dict[str, Any]:
+    import transformers
+
+    tcfg = src.target_config
+    head = _head(src)
+    cfg = src.drafter_cfg if isinstance(src.drafter_cfg, Eagle3Config) else Eagle3Config()
+    dtype = str(next(head.parameters()).dtype).replace("torch.", "")
+    conf: dict[str, Any] = {
+        "architectures": ["Eagle3DraftModel"],
+        "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+        "draft_vocab_size": head.draft_vocab_size,
+        "dtype": dtype,
+        "eagle_aux_hidden_state_layer_ids": _layer_ids(src),
+        "embed_requires_grad": False,
+        **NORM_FLAGS,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "accept_tolerance": 0.0,
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(cfg.ttt_steps),
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "architectures": list(getattr(tcfg, "architectures", None) or ["LlamaForCausalLM"]),
+                "name_or_path": str(src.target.path),
+            },
+        },
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": _layer_config(tcfg),
+        "transformers_version": transformers.__version__,
+        "draftsmith": _drafter_meta(src, "speculators"),
+    }
+    return conf
+
+
+def spec_write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    if not _full_vocab(src):
+        check_vocab(src, weights[WEIGHTS], f"eagle3 -> speculators export {out}")
+    save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", spec_config(src))
+    (out / "config.py").write_text(SPECULATORS_CONFIG_PY, encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------- SGLang
+
+
+def sgl_required(src: Source) -> dict[str, Shapes]:
+    return _required(src, "midlayer.", embed=False, vocab_maps=True)
+
+
+def sgl_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
+    return {WEIGHTS: _state(src, "midlayer.", embed=False, vocab_maps=True)}
+
+
+def sgl_config(src: Source) -> dict[str, Any]:
+    tcfg = src.target_config
+    head = _head(src)
+    conf = tcfg.to_dict()
+    for k in ("_name_or_path", "_model_name_or_path", "draftsmith", "quantization_config", "transformers_version"):
+        conf.pop(k, None)
+    ids = _layer_ids(src)
+    n = int(tcfg.num_hidden_layers)
+    conf.update(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "draft_vocab_size": head.draft_vocab_size,
+            "target_hidden_size": tcfg.hidden_size,
+            "tie_word_embeddings": False,
+            "dtype": str(next(head.parameters()).dtype).replace("torch.", ""),
+        }
+    )
+    if ids != [2, n // 2, n - 3]:
+        conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}
+    conf["draftsmith"] = _drafter_meta(src, "sglang_eagle3")
+    return conf
+
+
+def sgl_write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+    check_vocab(src, weights[WEIGHTS], f"eagle3 -> sglang_eagle3 export {out}")
+    save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
+    atomic_write_json(out / "config.json", sgl_config(src))
+
+
+# -------------------------------------------------------------------------------------------- importers
+
+
+def _build(target: Any, layer_ids: list[int], state: dict[str, torch.Tensor], where: Path) -> Eagle3Head:
+    tcfg = target.model.config
+    if "lm_head.weight" not in state:
+        raise ValueError(f"EAGLE-3 export {where} has no lm_head.weight")
+    vd = int(state["lm_head.weight"].shape[0])
+    V = int(tcfg.vocab_size)
+    if "d2t" not in state and "t2d" not in state and vd == V:  # full vocabulary: identity maps (as speculators)
+        state["d2t"] = torch.zeros(V, dtype=torch.long)
+        state["t2d"] = torch.ones(V, dtype=torch.bool)
+    if "d2t" not in state or "t2d" not in state:
+        raise ValueError(f"EAGLE-3 export {where} has a {vd}-entry draft vocabulary but lacks d2t/t2d")
+    check_vocab_maps(state["d2t"], state["t2d"], vd, V)
+    embed = target.model.get_input_embeddings().weight.detach().cpu().float()
+    stored = state.get("embed_tokens.weight")
+    if stored is not None and not torch.equal(stored, embed.to(stored.dtype)):  # bf16 exports: the target's, rounded
+        raise ValueError(f"EAGLE-3 export {where}: embed_tokens.weight is not the target's input embedding")
+    state["embed_tokens.weight"] = embed
+    head = Eagle3Head(tcfg, len(layer_ids), vd)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"EAGLE-3 export {where}: missing {missing}, unexpected {unexpected}")
+    head.layer_ids = list(layer_ids)
+    return head.to(next(target.model.parameters()).dtype).eval()
+
+
+def _check_hash(meta: dict[str, Any], state: dict[str, torch.Tensor], where: Path) -> None:
+    expected = (meta.get("draftsmith") or {}).get("d2t_hash")
+    if expected is not None and "d2t" in state and vocab_hash(state["d2t"]) != expected:
+        raise ValueError(f"EAGLE-3 export {where}: d2t hash {vocab_hash(state['d2t'])} != recorded {expected}")
+
+
+def spec_load(directory: Path, target: Any) -> Eagle3Head:
+    """Import a speculators-format EAGLE-3 (ours or speculators') as an :class:`Eagle3Head`."""
+    meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if meta.get("speculators_model_type") != "eagle3":
+        raise ValueError(
+            f"{directory} is not a speculators EAGLE-3 (speculators_model_type={meta.get('speculators_model_type')})"
+        )
+    layer = meta.get("transformer_layer_config") or {}
+    tcfg = target.model.config
+    if layer.get("hidden_size") != tcfg.hidden_size or layer.get("vocab_size") != tcfg.vocab_size:
+        raise ValueError(
+            f"{directory}: draft layer hidden/vocab {layer.get('hidden_size')}/{layer.get('vocab_size')} != target's"
+        )
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{directory}: {layer.get('num_hidden_layers')} draft layers; Eagle3Head has 1")
+    bad = {k: meta.get(k, v) for k, v in NORM_FLAGS.items() if bool(meta.get(k, v)) != v}
+    if bad:
+        raise ValueError(f"{directory}: norm flags {bad} describe other math than Eagle3Head ({NORM_FLAGS})")
+    n = int(tcfg.num_hidden_layers)
+    ids = [int(i) for i in (meta.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3])]
+    raw = load_file(str(directory / WEIGHTS))
+    rows = int(raw["lm_head.weight"].shape[0])
+    if int(meta.get("draft_vocab_size", -1)) != rows:
+        raise ValueError(f"{directory}: draft_vocab_size={meta.get('draft_vocab_size')} but lm_head has {rows} rows")
+    _check_hash(meta, raw, directory)
+    state = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in raw.items()}
+    return _build(target, ids, state, directory)
+
+
+def sgl_load(directory: Path, target: Any) -> Eagle3Head:
+    """Import an SGLang-format EAGLE-3 (ours or SpecForge's) as an :class:`Eagle3Head`."""
+    meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        raise ValueError(f"{directory}: architectures {meta.get('architectures')} is not LlamaForCausalLMEagle3")
+    tcfg = target.model.config
+    if meta.get("hidden_size") != tcfg.hidden_size or meta.get("vocab_size") != tcfg.vocab_size:
+        raise ValueError(f"{directory}: hidden/vocab {meta.get('hidden_size')}/{meta.get('vocab_size')} != target's")
+    n = int(tcfg.num_hidden_layers)
+    sgl_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = [int(i) + 1 for i in sgl_ids] if sgl_ids else [2, n // 2, n - 3]
+    recorded = (meta.get("draftsmith") or {}).get("layer_ids")
+    if recorded is not None and list(recorded) != ids:
+        raise ValueError(f"{directory}: eagle_config layer ids give HF layers {ids}, draftsmith recorded {recorded}")
+    state = load_file(str(directory / WEIGHTS))
+    rows = int(state["lm_head.weight"].shape[0])
+    if int(meta.get("draft_vocab_size", -1)) != rows:
+        raise ValueError(f"{directory}: draft_vocab_size={meta.get('draft_vocab_size')} but lm_head has {rows} rows")
+    _check_hash(meta, state, directory)
+    return _build(target, ids, state, directory)
+
+
+# ------------------------------------------------------------------------------------------------- probe
+
+
+@torch.no_grad()
+def probe(head: torch.nn.Module, target: Any) -> torch.Tensor:
+    """Draft logits of two chained steps on real target features of a fixed sequence, plus the d2t map."""
+    from train.export.eagle import probe_ids
+
+    assert isinstance(head, Eagle3Head)
+    model = target.model
+    n = int(model.config.num_hidden_layers)
+    ids_layers = list(getattr(head, "layer_ids", None) or [2, n // 2, n - 3])
+    ids = probe_ids(model.config.vocab_size).to(target.device)
+    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i] for i in ids_layers], dim=-1)[:, :-2]
+    T = feats.shape[1]
+    pos = torch.arange(T, device=ids.device)[None]
+    h1, _ = head(feats, ids[:, 1 : T + 1], pos)
+    h2, _ = head(h1, ids[:, 2 : T + 2], pos + 1)  # the chain's next step: own output fed back, no fc
+    logits = torch.cat([head.draft_logits(h1), head.draft_logits(h2)], dim=1).float()
+    return torch.cat([logits.flatten(), head.target_ids().float().to(logits.device)])
+
+
+def _src_layer_ids_probe(fmt_tensors: Any) -> Any:
+    """Wrap ``tensors`` so the trained module carries its layer ids for :func:`probe` (imports set them too)."""
+
+    def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
+        _head(src).layer_ids = _layer_ids(src)
+        return fmt_tensors(src)
+
+    return tensors
+
+
+register_format(
+    Format(
+        family="eagle3",
+        name="speculators",
+        doc="EAGLE-3 in the speculators/vLLM format (Eagle3DraftModel, speculators_config, layers.0.*, d2t, t2d)",
+        tensors=_src_layer_ids_probe(spec_tensors),
+        required=spec_required,
+        write=spec_write,
+        load=spec_load,
+        probe=probe,
+    )
+)
+register_format(
+    Format(
+        family="eagle3",
+        name="sglang_eagle3",
+        doc="EAGLE-3 for SGLang (LlamaForCausalLMEagle3, midlayer.*, d2t, t2d)",
+        tensors=_src_layer_ids_probe(sgl_tensors),
+        required=sgl_required,
+        write=sgl_write,
+        load=sgl_load,
+        probe=probe,
+    )
+)
