@@ -1,0 +1,62 @@
+"""The drafter families side by side, from the run directories that scripts/bench_family.sh wrote.
+
+    python scripts/family_table.py quickstart          # runs/quickstart_{eagle,eagle3,medusa,standalone}
+
+Prints a Markdown table: held-out tau per source (chain K and each family's default tree), wall-clock speedup
+over plain decoding and the draft cost ratio c (both measured in the same eval process), training tokens/s,
+trainable parameters and the size of the saved drafter directory. Prompt lookup is the floor row.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FAMILIES = ("eagle", "eagle3", "medusa", "standalone")
+
+
+def _size_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
+
+
+def main() -> None:
+    exp = sys.argv[1] if len(sys.argv) > 1 else "quickstart"
+    head = (
+        "| family | decode | tau ShareGPT | tau HumanEval | tau all | speedup all | c | "
+        "train tok/s | trainable params | best/ size |"
+    )
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    floor = None
+    for fam in FAMILIES:
+        run = Path("runs") / f"{exp}_{fam}"
+        if not (run / "eval" / "metrics.json").is_file():
+            print(f"| {fam} | (no run in {run}) | | | | | | | | |")
+            continue
+        metrics = json.loads((run / "eval" / "metrics.json").read_text())["metrics"]
+        train = json.loads((run / "train" / "manifest.json").read_text())["result"]
+        size = _size_mb(run / "train" / "best")
+        for name, m in metrics.items():
+            if name == "plain":
+                continue
+            if name.startswith("prompt_lookup"):
+                floor = floor or (name, m)
+                continue
+            decode = name.split("_", 1)[1]
+            tau = " | ".join(f"{m[s]['tau']:.2f}" for s in ("sharegpt", "humaneval", "all"))
+            params = train["trainable_parameters"] / 1e6
+            print(
+                f"| {fam} | {decode} | {tau} | {m['all']['speedup']:.2f}x | {m['all']['draft_cost_ratio_c']:.3f} "
+                f"| {train['train_tokens_per_second']:.0f} | {params:.2f}M | {size:.0f} MB |"
+            )
+    if floor:
+        name, m = floor
+        print(
+            f"| prompt lookup | {name.split('_', 2)[-1]} | {m['sharegpt']['tau']:.2f} | {m['humaneval']['tau']:.2f} "
+            f"| {m['all']['tau']:.2f} | {m['all']['speedup']:.2f}x | 0 | - | - | - |"
+        )
+
+
+if __name__ == "__main__":
+    main()
