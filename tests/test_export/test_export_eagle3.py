@@ -91,9 +91,10 @@ SPECULATORS_LAYER_KEYS = {
 
 
 def make_eagle3_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, layer_ids: list[int] | None = None):
-    """A training-free EAGLE-3 head with real acceptance ("logit lens"): ``fc`` passes the highest aux layer
-    through, ``norm``/``lm_head`` are the target's final norm and LM head rows of the draft vocabulary, and the
-    decoder layer adds small random terms (so attention and MLP are exercised without drowning the signal).
+    """A training-free EAGLE-3 head ("logit lens"): ``fc`` passes the highest aux layer through, ``norm``/``lm_head``
+    are the target's final norm and LM head rows of the draft vocabulary, and the decoder layer adds small random
+    terms (so attention and MLP are exercised). Its acceptance is low but not zero: the lens of feature t
+    predicts token t+1 again, while EAGLE-3 drafts token t+2 from it (accepted when the text repeats a token).
 
     ``draft_vocab`` = 0: the ids 0..8191 and 10240..12287 (the low BPE ids hold most generated tokens, and the
     gap gives d2t a nonzero offset, so a reversed d2t would draft wrong ids); otherwise random ids."""

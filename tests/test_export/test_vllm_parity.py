@@ -70,9 +70,11 @@ def test_vllm_parity_standalone_draft(synth_dir: Path, tmp_path: Path):
 def test_vllm_parity_eagle3(synth_dir: Path, target, tmp_path: Path):
     """vLLM serving our speculators-format export counts exactly what our EAGLE-3 chain decoder counts.
 
-    The head is the training-free "logit lens" head of test_export_eagle3 (it accepts about half of the first
-    drafted tokens, so a wrong aux layer, norm placement, position or d2t direction on either side changes the
-    counts), with a 10240-token draft vocabulary whose d2t has nonzero offsets."""
+    The head is the training-free "logit lens" head of test_export_eagle3 with a 10240-token draft vocabulary
+    whose d2t has nonzero offsets. Its acceptance is low (2 of 44 drafts at K=3 on these prompts), so this test
+    mainly guards that vLLM loads the export and that both sides draft and count the same steps; the strong
+    check is the trained head (scripts/vllm_parity.py --drafter runs/quickstart_eagle3/train/best: 435 drafts,
+    132 accepted, per position [97, 25, 10, 0, 0], identical on both sides)."""
     from tests.test_export.test_export_eagle3 import write_eagle3_run
 
     run = write_eagle3_run(tmp_path / "runs" / "lens", target, draft_vocab=0)
