@@ -81,6 +81,7 @@ def test_eagle_round_trip(eagle_run: Path, target, fmt: str, tmp_path: Path):
     card = (out / "README.md").read_text()
     assert target.fingerprint in card and "eagle_chain_k5 | 1.23" in card and "7 optimizer steps" in card
     assert (tmp_path / f"manifest-{fmt}.json").is_file()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))  # the export stage logs to W&B (offline by default)
     # the project's importer, independently of the stage: same draft logits as the trained head
     from eval.run import load_drafter
 

@@ -164,6 +164,15 @@ def run_export(cfg: Config, run_dir: Path, target: Any = None) -> dict[str, Any]
         inputs={"drafter_dir": str(drafter_dir), "eval_dir": e.eval_dir if metrics else None},
         result=result,
     )
+    from train.tracking import log_stage
+
+    log_stage(
+        cfg,
+        run_dir,
+        "export",
+        {"format": fmt.name, "family": family, **result},
+        {"manifest": f"manifest-{fmt.name}.json", "export": str(out_dir)},
+    )
     logger.info(
         "exported %s drafter as %s to %s (round trip max |logit diff| %s)",
         family,
