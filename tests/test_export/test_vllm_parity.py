@@ -37,6 +37,14 @@ def test_split_conventions():
     assert r["per_pos"] == [1, 1, 0] and r["per_pos_engine"] == [2, 2, 1] and len(r["tokens"]) == 6
 
 
+def _parity(drafter_dir: Path, synth_dir: Path, out: Path) -> None:
+    """scripts/vllm_parity.py on one held-out prompt per source, K=3, 24 new tokens -> out/parity.json."""
+    cmd = [sys.executable, str(REPO / "scripts" / "vllm_parity.py"), "--synth-dir", str(synth_dir)]
+    cmd += ["--drafter", str(drafter_dir), "--k", "3", "--num-prompts", "1", "--max-new-tokens", "24"]
+    res = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
 def write_standalone_run(run: Path, target) -> Path:
     """runs/<run>/train/{best/, manifest.json} for a standalone drafter, saved by the family's own save() - no
     training needed: init=target with 24 of the target's 30 layers (12-17 dropped), its embeddings, norm and LM
@@ -65,24 +73,7 @@ def test_vllm_parity_standalone_draft(synth_dir: Path, target, tmp_path: Path):
     counts exactly what our standalone chain decoder counts on a held-out prompt per source."""
     run = write_standalone_run(tmp_path / "runs" / "sa", target)
     out = tmp_path / "parity"
-    cmd = [
-        sys.executable,
-        str(REPO / "scripts" / "vllm_parity.py"),
-        "--synth-dir",
-        str(synth_dir),
-        "--drafter",
-        str(run / "train" / "best"),
-        "--k",
-        "3",
-        "--num-prompts",
-        "1",
-        "--max-new-tokens",
-        "24",
-        "--out",
-        str(out),
-    ]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _parity(run / "train" / "best", synth_dir, out)
     parity = json.loads((out / "parity.json").read_text())
     assert (out / "export_hf" / "model.safetensors").is_file()  # vLLM served the export stage's hf output
     run_ = parity["runs"][0]
@@ -107,24 +98,7 @@ def test_vllm_parity_eagle3(synth_dir: Path, target, tmp_path: Path):
 
     run = write_eagle3_run(tmp_path / "runs" / "lens", target, draft_vocab=0)
     out = tmp_path / "parity"
-    cmd = [
-        sys.executable,
-        str(REPO / "scripts" / "vllm_parity.py"),
-        "--synth-dir",
-        str(synth_dir),
-        "--drafter",
-        str(run / "train" / "best"),
-        "--k",
-        "3",
-        "--num-prompts",
-        "1",
-        "--max-new-tokens",
-        "24",
-        "--out",
-        str(out),
-    ]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _parity(run / "train" / "best", synth_dir, out)
     parity = json.loads((out / "parity.json").read_text())
     assert parity["method"] == "eagle3"
     run_ = parity["runs"][0]

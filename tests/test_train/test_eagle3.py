@@ -4,8 +4,6 @@ falls and resumes exactly, and the proposer is lossless (chain and tree)."""
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import SMALL_SYNTH
-from tests.test_train.test_eagle_train import TRAIN, _losses, _ok, _run
+from tests.test_train.runs import assert_kill_resume_exact
+from tests.test_train.runs import losses as _losses
+from tests.test_train.runs import ok as _ok
+from tests.test_train.runs import run_train as _run
+from tests.test_train.test_eagle_train import TRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -166,20 +168,4 @@ def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_
     assert cfg_json["draft_vocab_size"] == 1024 and cfg_json["draftsmith"]["d2t_hash"] == data["d2t_hash"]
     assert "embed_tokens.weight" not in load_file(str(best / "model.safetensors"))
 
-    killed = tmp_path / "killed"
-    proc = _run([*base, f"hydra.run.dir={killed}"], run_env)
-    ckpt = killed / "checkpoints" / "step-000002" / "trainer_state.json"
-    deadline = time.time() + 600
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert ckpt.exists() and not (killed / "manifest.json").exists()
-    out = _ok(_run([*base, f"hydra.run.dir={killed}", "resume=true"], run_env))
-    assert "resumed from" in out
-    assert _losses(killed) == pytest.approx(losses, rel=1e-6)
-    a = load_file(str(one / "checkpoints" / "step-000006" / "drafter" / "model.safetensors"))
-    b = load_file(str(killed / "checkpoints" / "step-000006" / "drafter" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-7), k
+    assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)

@@ -4,17 +4,17 @@ kill-and-resume == uninterrupted, and the EAGLE proposer is lossless (chain and 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.conftest import REPO, SMALL_SYNTH
+from tests.conftest import SMALL_SYNTH
+from tests.test_train.runs import assert_kill_resume_exact
+from tests.test_train.runs import losses as _losses
+from tests.test_train.runs import ok as _ok
+from tests.test_train.runs import run_train as _run
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +31,6 @@ TRAIN = [
     "train.log_every=1",
     "wandb.mode=disabled",
 ]
-
-
-def _run(args: list[str], env: dict[str, str], launcher: list[str] | None = None) -> subprocess.Popen[str]:
-    cmd = [*(launcher or [sys.executable]), "-m", "train", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _ok(proc: subprocess.Popen[str], timeout: int = 900) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [loss for _, loss in json.loads((run_dir / "manifest.json").read_text())["losses"]]
 
 
 def test_loss_falls_two_processes_match_and_resume_is_exact(
@@ -71,27 +56,8 @@ def test_loss_falls_two_processes_match_and_resume_is_exact(
     _ok(_run([*base, "train.grad_accum=1", f"hydra.run.dir={two}"], run_env, launcher))
     assert _losses(two) == pytest.approx(losses, rel=1e-4)
 
-    # Kill with SIGKILL once the step-2 checkpoint is complete, then resume=true: same end state.
-    killed = tmp_path / "killed"
-    proc = _run([*base, "train.grad_accum=2", f"hydra.run.dir={killed}"], run_env)
-    ckpt = killed / "checkpoints" / "step-000002" / "trainer_state.json"
-    deadline = time.time() + 600
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert ckpt.exists() and not (killed / "manifest.json").exists()
-    refused = _run([*base, "train.grad_accum=2", f"hydra.run.dir={killed}"], run_env)
-    out, _ = refused.communicate(timeout=600)
-    assert refused.returncode != 0 and "resume=true" in out  # never silently overwrites a run
-    out = _ok(_run([*base, "train.grad_accum=2", f"hydra.run.dir={killed}", "resume=true"], run_env))
-    assert "resumed from" in out
-    assert _losses(killed) == pytest.approx(losses, rel=1e-6)
-    a = load_file(str(one / "checkpoints" / "step-000006" / "drafter" / "model.safetensors"))
-    b = load_file(str(killed / "checkpoints" / "step-000006" / "drafter" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+    # Kill with SIGKILL once the step-2 checkpoint is complete; a plain rerun is refused; resume=true: same end.
+    assert_kill_resume_exact([*base, "train.grad_accum=2"], one, tmp_path / "killed", run_env, last_step=6)
 
 
 @pytest.mark.parametrize("decode", ["chain", "tree"])

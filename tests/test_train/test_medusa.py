@@ -6,10 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +14,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.conftest import REPO, SMALL_SYNTH
+from tests.conftest import SMALL_SYNTH
+from tests.test_train.runs import assert_kill_resume_exact
+from tests.test_train.runs import losses as _losses
+from tests.test_train.runs import ok as _ok
+from tests.test_train.runs import run_train as _run
 
 pytestmark = pytest.mark.slow
 
@@ -231,21 +231,6 @@ def test_explicit_tree_paths_are_used_and_checked(target) -> None:
 # -- stage train -----------------------------------------------------------------------------------
 
 
-def _run(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "train", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _ok(proc: subprocess.Popen[str], timeout: int = 900) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [loss for _, loss in json.loads((run_dir / "manifest.json").read_text())["losses"]]
-
-
 def test_medusa_trains_logs_per_head_metrics_and_resumes_exactly(
     synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
 ) -> None:
@@ -265,21 +250,5 @@ def test_medusa_trains_logs_per_head_metrics_and_resumes_exactly(
     assert int(saved["rank_count"][0]) > 0 and int(saved["rank_hits"].sum()) > 0  # measured rank accuracies
 
     # Kill with SIGKILL once the step-2 checkpoint is complete, then resume=true: same end state.
-    killed = tmp_path / "killed"
-    proc = _run([*base, f"hydra.run.dir={killed}"], run_env)
-    ckpt = killed / "checkpoints" / "step-000002" / "trainer_state.json"
-    deadline = time.time() + 600
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert ckpt.exists() and not (killed / "manifest.json").exists()
-    out = _ok(_run([*base, f"hydra.run.dir={killed}", "resume=true"], run_env))
-    assert "resumed from" in out
-    assert _losses(killed) == pytest.approx(losses, rel=1e-6)
-    a = load_file(str(one / "checkpoints" / "step-000004" / "drafter" / "model.safetensors"))
-    b = load_file(str(killed / "checkpoints" / "step-000004" / "drafter" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-7), k
+    a, b = assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=4)
     assert torch.equal(a["rank_hits"], b["rank_hits"]) and torch.equal(a["rank_count"], b["rank_count"])

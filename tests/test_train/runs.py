@@ -1,0 +1,61 @@
+"""Helpers shared by the training tests: run stage train in a subprocess, read its losses, and check that a
+run killed with SIGKILL after a checkpoint and resumed ends exactly like an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+
+def run_train(args: list[str], env: dict[str, str], launcher: list[str] | None = None) -> subprocess.Popen[str]:
+    cmd = [*(launcher or [sys.executable]), "-m", "train", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def ok(proc: subprocess.Popen[str], timeout: int = 900) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [loss for _, loss in json.loads((run_dir / "manifest.json").read_text())["losses"]]
+
+
+def assert_kill_resume_exact(
+    base: list[str], reference: Path, killed: Path, env: dict[str, str], last_step: int, kill_after: int = 2
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Start ``base`` into ``killed``, SIGKILL it once the step-``kill_after`` checkpoint is complete, check a plain
+    rerun is refused, resume with ``resume=true``, and compare losses and the step-``last_step`` drafter weights
+    with the uninterrupted run in ``reference``. Returns both weight dicts for family-specific checks."""
+    proc = run_train([*base, f"hydra.run.dir={killed}"], env)
+    ckpt = killed / "checkpoints" / f"step-{kill_after:06d}" / "trainer_state.json"
+    deadline = time.time() + 600
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ckpt.exists() and not (killed / "manifest.json").exists()
+    refused = run_train([*base, f"hydra.run.dir={killed}"], env)
+    out, _ = refused.communicate(timeout=600)
+    assert refused.returncode != 0 and "resume=true" in out  # never silently overwrites a run
+    out = ok(run_train([*base, f"hydra.run.dir={killed}", "resume=true"], env))
+    assert "resumed from" in out
+    assert losses(killed) == pytest.approx(losses(reference), rel=1e-6)
+    name = f"step-{last_step:06d}"
+    a = load_file(str(reference / "checkpoints" / name / "drafter" / "model.safetensors"))
+    b = load_file(str(killed / "checkpoints" / name / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-7), k
+    return a, b
