@@ -59,3 +59,27 @@ def assert_kill_resume_exact(
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-5, atol=1e-7), k
     return a, b
+
+
+def assert_greedy_identity(target, make_proposer, texts: tuple[str, ...], max_new_tokens: int = 20) -> None:
+    """Speculative decoding with ``make_proposer()`` gives exactly the target's own greedy ``generate`` output."""
+    from data.render import prompt_ids
+    from eval.decoder import SpeculativeDecoder
+
+    tok = target.tokenizer
+    for text in texts:
+        ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": text}])])
+        ref = target.model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
+        res = SpeculativeDecoder(target.model, make_proposer()).generate(
+            ids, max_new_tokens, eos_token_id=tok.eos_token_id
+        )
+        assert res.tokens == ref[: len(res.tokens)] and len(res.tokens) == len(ref)
+        assert res.stats.verify_steps >= 1

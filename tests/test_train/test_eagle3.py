@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import SMALL_SYNTH
-from tests.test_train.runs import assert_kill_resume_exact
+from tests.test_train.runs import assert_greedy_identity, assert_kill_resume_exact
 from tests.test_train.runs import losses as _losses
 from tests.test_train.runs import ok as _ok
 from tests.test_train.runs import run_train as _run
@@ -115,8 +115,6 @@ def test_vocab_from_data_and_corrupt_maps_refused(target, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("decode", ["chain", "tree"])
 def test_eagle3_proposer_is_lossless_on_the_real_target(target, decode: str) -> None:
-    from data.render import prompt_ids
-    from eval.decoder import SpeculativeDecoder
     from train.batches import Row
 
     spec, cfg, head = _head(
@@ -125,23 +123,11 @@ def test_eagle3_proposer_is_lossless_on_the_real_target(target, decode: str) -> 
     spec.prepare(head, [Row(list(range(0, 8192, 2)), [1] * 4096)], cfg)  # a vocabulary that misses half the ids
     with torch.no_grad():
         head.fc.weight.normal_(0, 0.02)
-    tok = target.tokenizer
-    for text in ("Write a Python function that reverses a string.", "Name three colours."):
-        ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": text}])])
-        ref = target.model.generate(
-            ids,
-            max_new_tokens=20,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=tok.pad_token_id,
-        )[0, ids.shape[1] :].tolist()
-        res = SpeculativeDecoder(target.model, spec.proposer(head, target.model, cfg)).generate(
-            ids, 20, eos_token_id=tok.eos_token_id
-        )
-        assert res.tokens == ref
-        assert res.stats.verify_steps >= 1
+    assert_greedy_identity(
+        target,
+        lambda: spec.proposer(head, target.model, cfg),
+        ("Write a Python function that reverses a string.", "Name three colours."),
+    )
 
 
 def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:

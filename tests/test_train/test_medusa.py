@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tests.conftest import SMALL_SYNTH
-from tests.test_train.runs import assert_kill_resume_exact
+from tests.test_train.runs import assert_greedy_identity, assert_kill_resume_exact
 from tests.test_train.runs import losses as _losses
 from tests.test_train.runs import ok as _ok
 from tests.test_train.runs import run_train as _run
@@ -181,7 +181,6 @@ def test_save_load_round_trip_and_size_check(tmp_path: Path, own_lm_head: bool) 
 
 @pytest.mark.parametrize("decode", ["chain", "tree"])
 def test_medusa_proposer_is_lossless_on_the_real_target(target, decode: str) -> None:
-    from data.render import prompt_ids
     from eval.decoder import SpeculativeDecoder
     from train.drafters import registry
 
@@ -193,22 +192,14 @@ def test_medusa_proposer_is_lossless_on_the_real_target(target, decode: str) -> 
     proposer = spec.proposer(heads, target.model, cfg)
     if decode == "tree":
         assert len(proposer.paths) == 10 and max(len(p) for p in proposer.paths) <= 3
-    tok = target.tokenizer
-    for text in ("Write a Python function that reverses a string.",):
-        ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": text}])])
-        ref = target.model.generate(
-            ids,
-            max_new_tokens=20,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=tok.pad_token_id,
-        )[0, ids.shape[1] :].tolist()
-        res = SpeculativeDecoder(target.model, proposer).generate(ids, 20, eos_token_id=tok.eos_token_id)
-        assert res.tokens == ref[: len(res.tokens)] and len(res.tokens) == len(ref)
-        assert res.stats.verify_steps >= 1
+    assert_greedy_identity(target, lambda: proposer, ("Write a Python function that reverses a string.",))
     # Sampling runs too (chain: sampled drafts with their q; tree: deterministic delta proposals).
+    from data.render import prompt_ids
+
+    tok = target.tokenizer
+    ids = torch.tensor(
+        [prompt_ids(tok, [{"role": "user", "content": "Write a Python function that reverses a string."}])]
+    )
     sampler = SpeculativeDecoder(target.model, proposer, temperature=0.8)
     out = sampler.generate(ids, 8, eos_token_id=tok.eos_token_id, generator=torch.Generator().manual_seed(0))
     assert len(out.tokens) >= 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import SMALL_SYNTH
-from tests.test_train.runs import assert_kill_resume_exact
+from tests.test_train.runs import assert_greedy_identity, assert_kill_resume_exact
 from tests.test_train.runs import losses as _losses
 from tests.test_train.runs import ok as _ok
 from tests.test_train.runs import run_train as _run
@@ -101,29 +101,13 @@ def test_loss_falls_and_resume_is_exact(synth_dir: Path, tmp_path: Path, run_env
 
 @pytest.mark.parametrize("decode", ["chain", "tree"])
 def test_standalone_proposer_is_lossless_on_the_real_target(target, decode: str) -> None:
-    from data.render import prompt_ids
-    from eval.decoder import SpeculativeDecoder
 
     spec, cfg, draft = _perturbed_draft(
         target, decode=decode, chain_k=4, tree_depth=4, tree_top_k=3, tree_total_tokens=10
     )
-    tok = target.tokenizer
-    for text in ("Write a Python function that reverses a string.",):
-        ids = torch.tensor([prompt_ids(tok, [{"role": "user", "content": text}])])
-        ref = target.model.generate(
-            ids,
-            max_new_tokens=20,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=tok.pad_token_id,
-        )[0, ids.shape[1] :].tolist()
-        res = SpeculativeDecoder(target.model, spec.proposer(draft, target.model, cfg)).generate(
-            ids, 20, eos_token_id=tok.eos_token_id
-        )
-        assert res.tokens == ref[: len(res.tokens)] and len(res.tokens) == len(ref)
-        assert res.stats.verify_steps >= 1
+    assert_greedy_identity(
+        target, lambda: spec.proposer(draft, target.model, cfg), ("Write a Python function that reverses a string.",)
+    )
 
 
 def test_init_target_copies_layers_and_loss(target) -> None:
