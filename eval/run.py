@@ -196,14 +196,12 @@ def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, in
                 d.tree_depth = e.tree_depth or d.tree_depth
                 d.tree_top_k = e.tree_top_k or d.tree_top_k
                 d.tree_total_tokens = e.tree_total_tokens or d.tree_total_tokens
-                label = f"{dcfg.name}_{mode}" + (f"_k{e.k}" if mode == "chain" else f"_n{d.tree_total_tokens}")
-                methods.append(
-                    (
-                        label,
-                        _ours(target, spec.proposer(module, target.model, d), cfg),
-                        e.k if mode == "chain" else None,
-                    )
-                )
+                prop = spec.proposer(module, target.model, d)
+                # A family may draft fewer tokens than asked (Medusa: one per head): label and cost model use
+                # what the proposer really drafts.
+                k_eff = int(getattr(prop, "chain_k", e.k))
+                label = f"{dcfg.name}_{mode}" + (f"_k{k_eff}" if mode == "chain" else f"_n{d.tree_total_tokens}")
+                methods.append((label, _ours(target, prop, cfg), k_eff if mode == "chain" else None))
         elif name == "prompt_lookup":
             prop = PromptLookupProposer(num_tokens=e.k, max_ngram=e.prompt_lookup_max_ngram)
             methods.append((f"prompt_lookup_k{e.k}", _ours(target, prop, cfg), e.k))

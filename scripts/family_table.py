@@ -1,6 +1,7 @@
 """The drafter families side by side, from the run directories that scripts/bench_family.sh wrote.
 
     python scripts/family_table.py quickstart          # runs/quickstart_{eagle,eagle3,medusa,standalone}
+    python scripts/family_table.py cpu_1h              # eagle from runs/cpu_1h when runs/cpu_1h_eagle is absent
 
 Prints a Markdown table: held-out tau per source (chain K and each family's default tree), wall-clock speedup
 over plain decoding and the draft cost ratio c (both measured in the same eval process), training tokens/s,
@@ -31,6 +32,8 @@ def main() -> None:
     floor = None
     for fam in FAMILIES:
         run = Path("runs") / f"{exp}_{fam}"
+        if fam == "eagle" and not run.is_dir():  # `stage=all experiment=<exp>` trains eagle in runs/<exp>
+            run = Path("runs") / exp
         if not (run / "eval" / "metrics.json").is_file():
             print(f"| {fam} | (no run in {run}) | | | | | | | | |")
             continue

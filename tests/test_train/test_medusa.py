@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.conftest import SMALL_SYNTH
+from tests.conftest import SMALL_SYNTH, compose
 from tests.test_train.runs import assert_greedy_identity, assert_kill_resume_exact
 from tests.test_train.runs import losses as _losses
 from tests.test_train.runs import ok as _ok
@@ -223,7 +224,7 @@ def test_explicit_tree_paths_are_used_and_checked(target) -> None:
 
 
 def test_medusa_trains_logs_per_head_metrics_and_resumes_exactly(
-    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str], target
 ) -> None:
     base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN]
     one = tmp_path / "one"
@@ -239,6 +240,24 @@ def test_medusa_trains_logs_per_head_metrics_and_resumes_exactly(
     assert json.loads((best / "config.json").read_text())["draftsmith"]["drafter"]["name"] == "medusa"
     saved = load_file(str(best / "model.safetensors"))
     assert int(saved["rank_count"][0]) > 0 and int(saved["rank_hits"].sum()) > 0  # measured rank accuracies
+    # The eval stage names (and costs) Medusa's chain by what it drafts: eval.k=5 with 4 heads drafts 4.
+    from eval.run import build_methods
+
+    cfg = compose([*SMALL_SYNTH, "drafter=medusa", f"eval.drafter_dir={best}", "eval.k=5", "eval.decode=both"])
+    cfg.eval.proposers = ["drafter"]
+    methods = {name: k for name, _, k in build_methods(cfg, target)}
+    assert methods == {"medusa_chain_k4": 4, "medusa_tree_n16": None}, methods
+
+    # Two processes (torchrun, gloo), same global batch (grad_accum=1 each): the same losses and, after the
+    # all-reduce of the rank counters, the same counts as one process that saw both micro-batches.
+    two = tmp_path / "two"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    _ok(_run([*base, "train.grad_accum=1", f"hydra.run.dir={two}"], run_env, launcher))
+    assert _losses(two) == pytest.approx(losses, rel=1e-4)
+    last = Path("checkpoints") / "step-000004" / "drafter" / "model.safetensors"
+    c1, c2 = load_file(str(one / last)), load_file(str(two / last))
+    assert int(c1["rank_count"][0]) > 0
+    assert torch.equal(c2["rank_count"], c1["rank_count"]) and torch.equal(c2["rank_hits"], c1["rank_hits"])
 
     # Kill with SIGKILL once the step-2 checkpoint is complete, then resume=true: same end state.
     a, b = assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=4)
