@@ -286,6 +286,31 @@ def compare(our_rows: list[dict[str, Any]], eng_rows: list[dict[str, Any]], k: i
     }
 
 
+def load_train_prompts(synth_dir: str | Path, per_source: int, max_prompt_tokens: int) -> list[Any]:
+    """The prompts of the first ``per_source`` *training* rows of each source (``--split train``): each row's
+    ids up to its first target-written token, i.e. exactly what the target continued during synth.
+
+    For checking the engine against our decoder with a drafter that has seen these rows (it accepts deep into
+    every draft, so every position's count is compared); never for an acceptance claim."""
+    import pyarrow.parquet as pq
+
+    from eval.heldout import Prompt
+
+    files = sorted((Path(synth_dir) / "data").glob("chunk-*.parquet"))
+    if not files:
+        raise SystemExit(f"no synth rows in {synth_dir}/data: run stage=synth first")
+    counts: dict[str, int] = {}
+    prompts: list[Any] = []
+    for f in files:
+        for rec in pq.read_table(f, columns=["id", "source", "input_ids", "loss_mask"]).to_pylist():
+            src, mask = rec["source"], rec["loss_mask"]
+            if counts.get(src, 0) >= per_source or 1 not in mask or mask.index(1) > max_prompt_tokens:
+                continue
+            counts[src] = counts.get(src, 0) + 1
+            prompts.append(Prompt(src, str(rec["id"]), rec["input_ids"][: mask.index(1)]))
+    return prompts
+
+
 def main_side(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -297,7 +322,10 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(TargetConfig(device="cpu", dtype="float32"))
-    prompts = load_heldout(args.synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    if args.split == "train":
+        prompts = load_train_prompts(args.synth_dir, args.num_prompts, args.max_prompt_tokens)
+    else:
+        prompts = load_heldout(args.synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
     method: str | None = args.method
     if args.drafter:
         if args.export_dir:
@@ -321,6 +349,7 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
         "method": method,
         "target": str(target.path),
         "synth_dir": str(args.synth_dir),
+        "split": args.split,
         "max_new_tokens": args.max_new_tokens,
         "runs": [],
     }
@@ -406,7 +435,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--export-dir", default=None, help="with --drafter: serve this export instead of exporting anew")
     ap.add_argument("--method", default=None, help="speculative_config method for the engine (default: by family)")
     ap.add_argument("--k", type=int, nargs="+", default=[3])
-    ap.add_argument("--num-prompts", type=int, default=4, help="held-out prompts per source")
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per source")
+    ap.add_argument(
+        "--split",
+        choices=["heldout", "train"],
+        default="heldout",
+        help="held-out prompts (acceptance figures), or training rows' prompts (an engine check with a drafter "
+        "that has seen them: deep acceptance exercises every position)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--out", default="runs/parity")
