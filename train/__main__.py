@@ -116,6 +116,12 @@ def preflight(argv: list[str]) -> None:
         if ov.startswith("stage="):
             for stage in ov.split("=", 1)[1].split(","):  # multirun: stage=synth,eval
                 check_stage(stage)
+        if ov.startswith("launcher="):
+            from train.cluster import LAUNCHERS
+
+            bad = [v for v in ov.split("=", 1)[1].split(",") if v not in LAUNCHERS]
+            if bad:
+                raise ConfigError(f"Unknown launcher {bad[0]!r}: valid launchers are {', '.join(LAUNCHERS)}")
 
 
 def setup_runtime(cfg: Config) -> None:
@@ -135,15 +141,20 @@ def main(dcfg: DictConfig) -> Any:
     from hydra.core.hydra_config import HydraConfig
 
     cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
-    check_stage(cfg.stage)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if cfg.launcher != "local":  # launcher=slurm: submit the stage as SLURM job(s) instead of running it here
-        from train.cluster import submit
+    try:
+        check_stage(cfg.stage)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if cfg.launcher != "local":  # launcher=slurm: submit the stage as SLURM job(s) instead of running it here
+            from train.cluster import submit
 
-        return submit(cfg, run_dir, list(HydraConfig.get().overrides.task))
-    setup_runtime(cfg)
-    logger.info("stage %s -> %s", cfg.stage, run_dir)
-    return STAGES[cfg.stage][0](cfg, run_dir)
+            return submit(cfg, run_dir, list(HydraConfig.get().overrides.task))
+        setup_runtime(cfg)
+        logger.info("stage %s -> %s", cfg.stage, run_dir)
+        return STAGES[cfg.stage][0](cfg, run_dir)
+    except ConfigError as exc:  # a bad value found once the config is composed: a message and exit 2, no traceback
+        logger.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def cli() -> None:

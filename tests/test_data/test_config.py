@@ -73,6 +73,20 @@ def test_cli_unknown_stage_lists_stages() -> None:
     assert "synth" in res.stderr and "merge" in res.stderr
 
 
+def test_cli_unknown_launcher_fails_at_startup() -> None:
+    res = _cli("stage=synth", "launcher=slurmm")
+    assert res.returncode == 2
+    assert "Unknown launcher 'slurmm'" in res.stderr and "local, slurm" in res.stderr
+
+
+def test_cli_bad_value_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    """A value that only a stage can judge (checked after Hydra composes) still ends with a clear message, exit 2."""
+    res = _cli("stage=synth", "synth.top_p=1.5", "synth.max_new_tokens=0", f"hydra.run.dir={tmp_path}")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "error: Invalid synth config" in res.stderr and "synth.top_p=1.5 must be in (0, 1]" in res.stderr
+    assert "max_new_tokens" in res.stderr and "Traceback" not in res.stderr + res.stdout
+
+
 def test_cli_unknown_group_option_lists_options() -> None:
     res = _cli("stage=synth", "data=sharegtp")
     assert res.returncode != 0
