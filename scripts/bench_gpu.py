@@ -3,6 +3,7 @@ in bf16 with DeepSpeed ZeRO-2 on one GPU, then tokens/s and model FLOP utilisati
 finish in under 8 minutes on one H200 (one synth run shared by all families).
 
     python3 scripts/bench_gpu.py [--steps 150] [--families eagle,eagle3,medusa,standalone] [--peak-tflops 989]
+    python3 scripts/bench_gpu.py --smoke      # the same plumbing on CPU at toy size (a test runs this)
 
 MFU counts the useful FLOPs per training step (an estimate, per sequence token unless noted): the frozen
 target forward (2 N_target, online features), the drafter's forward and backward (6 N_trainable; EAGLE-3 runs
@@ -22,14 +23,30 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--families", default="eagle,eagle3,medusa,standalone")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--run-name", default="gpu_bench")
-    args = ap.parse_args()
-    common = ["experiment=quickstart", f"run_name={args.run_name}", "wandb.mode=disabled"]
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a CPU run of the same plumbing at toy size (16 prompts, 3 steps, fp32, no DeepSpeed): checks the "
+        "script itself, not the GPU; its MFU figures mean nothing",
+    )
+    ap.add_argument("--runs-root", default="runs")
+    args = ap.parse_args(argv)
+    runs = Path(args.runs_root)
+    common = ["experiment=quickstart", f"run_name={args.run_name}", f"runs_root={runs}", "wandb.mode=disabled"]
+    synth = ["data.num_prompts=512", "synth.batch_size=128", "synth.chunk_size=512", "synth.max_new_tokens=256"]
+    train = ["train.dtype=bfloat16", "train.micro_batch_size=16", "train.eval_prompts=4", "deepspeed=zero2"]
+    if args.smoke:
+        args.steps = min(args.steps, 3)
+        common += ["target.device=cpu", "data.max_heldout=2", "data.max_prompt_tokens=200"]
+        synth = ["data.num_prompts=16", "synth.batch_size=8", "synth.chunk_size=16", "synth.max_new_tokens=16"]
+        train = ["train.dtype=float32", "train.micro_batch_size=2", "train.eval_prompts=1", "deepspeed=none"]
+        train += ["train.eval_max_new_tokens=4", "train.warmup_steps=1"]
     subprocess.run(
         [
             sys.executable,
@@ -37,10 +54,7 @@ def main() -> None:
             "train",
             "stage=synth",
             *common,
-            "data.num_prompts=512",
-            "synth.batch_size=128",
-            "synth.chunk_size=512",
-            "synth.max_new_tokens=256",
+            *synth,
         ],
         cwd=REPO,
         check=True,
@@ -65,20 +79,17 @@ def main() -> None:
                 *common,
                 f"run_name={run}",
                 f"drafter={family}",
-                f"synth_dir=runs/{args.run_name}/synth",
+                f"synth_dir={runs / args.run_name / 'synth'}",
                 "overwrite=true",
                 "train.features=online",
-                "train.dtype=bfloat16",
                 f"train.max_steps={args.steps}",
-                "train.micro_batch_size=16",
                 "train.save_every=100000",
-                "train.eval_prompts=4",
-                "deepspeed=zero2",
+                *train,
             ],
             cwd=REPO,
             check=True,
         )
-        m = json.loads((REPO / "runs" / run / "train" / "manifest.json").read_text())
+        m = json.loads((REPO / runs / run / "train" / "manifest.json").read_text())
         r, d = m["result"], m["config"]["drafter"]
         n_train = r["trainable_parameters"]
         if family == "eagle3":
@@ -103,6 +114,9 @@ def main() -> None:
         }
         print(json.dumps({family: results[family]}), flush=True)
     print(json.dumps(results, indent=2))
+    (REPO / runs / args.run_name).mkdir(parents=True, exist_ok=True)
+    (REPO / runs / args.run_name / "bench_gpu.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    return results
 
 
 if __name__ == "__main__":
