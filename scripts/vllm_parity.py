@@ -304,10 +304,11 @@ def load_train_prompts(synth_dir: str | Path, per_source: int, max_prompt_tokens
     for f in files:
         for rec in pq.read_table(f, columns=["id", "source", "input_ids", "loss_mask"]).to_pylist():
             src, mask = rec["source"], rec["loss_mask"]
-            if counts.get(src, 0) >= per_source or 1 not in mask or mask.index(1) > max_prompt_tokens:
+            start = mask.index(1) if 1 in mask else None  # the first target-written token
+            if counts.get(src, 0) >= per_source or start is None or start > max_prompt_tokens:
                 continue
             counts[src] = counts.get(src, 0) + 1
-            prompts.append(Prompt(src, str(rec["id"]), rec["input_ids"][: mask.index(1)]))
+            prompts.append(Prompt(src, str(rec["id"]), rec["input_ids"][:start]))
     return prompts
 
 
