@@ -19,6 +19,7 @@ References
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "greedy_verify_chain",
+    "greedy_walk",
     "logits_to_probs",
     "residual_distribution",
     "sample_from_probs",
@@ -194,12 +196,36 @@ def speculative_verify_chain(
     return k, sample_from_probs(target_probs[k], generator)
 
 
-def _children(parents: list[int], n_nodes: int) -> list[list[int]]:
+def children_lists(parents: list[int], n_nodes: int) -> list[list[int]]:
     """children[j + 1] = child indices of node j (children[0] = children of the root), in order."""
     kids: list[list[int]] = [[] for _ in range(n_nodes + 1)]
     for i, par in enumerate(parents):
         kids[par + 1].append(i)
     return kids
+
+
+def greedy_walk(
+    tokens: list[int], kids: list[list[int]], target_next: Callable[[int, int], int]
+) -> tuple[list[int], int]:
+    """Greedy verification walk shared by the decoder and replay evaluation.
+
+    From the root, descend into the (first) child whose token equals the target's greedy next token, until
+    none does; that token is the next (bonus / correction) token. ``target_next(node, depth)`` gives the
+    target's argmax after ``node`` (-1 = the root), which sits at ``depth`` (0 = the root) on the path; it is
+    only ever asked for the root and for accepted nodes, i.e. along the path the target itself would write.
+
+    Returns:
+        ``(accepted node indices along the path, next token)``.
+    """
+    accepted: list[int] = []
+    node = -1
+    while True:
+        want = int(target_next(node, len(accepted)))
+        nxt = next((c for c in kids[node + 1] if tokens[c] == want), None)
+        if nxt is None:
+            return accepted, want
+        accepted.append(nxt)
+        node = nxt
 
 
 def verify_tree(
@@ -242,19 +268,11 @@ def verify_tree(
     if target_probs.shape[0] != n + 1:
         raise ValueError(f"target_probs must have N+1={n + 1} rows, got {target_probs.shape[0]}")
     tokens = tree.tokens.reshape(-1).cpu().tolist()
-    kids = _children(tree.parents, n)
+    kids = children_lists(tree.parents, n)
 
     if greedy:
         argmax = target_probs.argmax(dim=-1).cpu().tolist()
-        accepted: list[int] = []
-        node = -1
-        while True:
-            want = argmax[node + 1]
-            nxt = next((c for c in kids[node + 1] if tokens[c] == want), None)
-            if nxt is None:
-                return accepted, int(want)
-            accepted.append(nxt)
-            node = nxt
+        return greedy_walk(tokens, kids, lambda node, _depth: int(argmax[node + 1]))
 
     if tree.draft_probs is not None and tree.is_chain():
         n_acc, nxt_tok = speculative_verify_chain(tree.tokens, tree.draft_probs, target_probs, generator)

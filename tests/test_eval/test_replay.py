@@ -1,0 +1,156 @@
+"""Replay evaluation equals real speculative decoding, count for count, for every drafter family.
+
+The drafters are first fitted in-process to the target's own continuations of the test prompts (a few dozen
+Adam steps of each family's real training loss on the real target's features), so they accept deep into their
+drafts: the comparison then covers every draft position, the hidden-state rows of every commit and the
+eos-and-budget truncation, not only the first position of an untrained head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eval.metrics import DecodeStats
+
+pytestmark = pytest.mark.slow
+
+TEXTS = (
+    "Write a Python function that reverses a string.",
+    "List the planets of the solar system, one per line.",
+    "Answer with one word: what colour is the sky?",  # ends early: drafts past the eos are verified too
+)
+MAX_NEW = 40
+FAMILY_KW = {
+    "eagle": {},
+    "eagle3": {"draft_vocab_size": 2048, "ttt_steps": 2},
+    "medusa": {"num_heads": 4},
+    "standalone": {"num_layers": 2, "gradient_checkpointing": False},
+}
+
+
+@pytest.fixture(scope="module")
+def traffic(target):  # -> (prompts, continuations)
+    from data.render import prompt_ids
+    from eval.replay import greedy_continuations
+
+    tok = target.tokenizer
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in TEXTS]
+    conts = greedy_continuations(target.model, prompts, MAX_NEW, tok.pad_token_id, batch_size=3)
+    return prompts, conts
+
+
+def test_continuations_are_the_targets_greedy_decoding(target, traffic) -> None:
+    from eval.decoder import plain_decode
+
+    prompts, conts = traffic
+    eos = target.tokenizer.eos_token_id
+    assert eos in conts[2][: MAX_NEW - 5], "the short-answer prompt must end early (it tests drafts past eos)"
+    for p, c in zip(prompts, conts, strict=True):
+        assert len(c) == MAX_NEW
+        ref = plain_decode(target.model, torch.tensor([p]), MAX_NEW, eos).tokens
+        assert c[: len(ref)] == ref  # batched, left-padded generation == batch-1 decoding
+
+
+def _fit(spec, cfg, target, prompts, conts, steps: int = 40):  # -> module
+    """Overfit a fresh drafter of this family to the continuations with its own training loss."""
+    from train.batches import Row
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    torch.manual_seed(0)
+    module = spec.build(cfg, target.model).float()
+    rows = [Row([*p, *c], [0] * len(p) + [1] * len(c)) for p, c in zip(prompts, conts, strict=True)]
+    if spec.prepare is not None:
+        spec.prepare(module, rows, cfg)
+    width = max(len(r.input_ids) for r in rows)
+    pad = target.tokenizer.pad_token_id
+    ids = torch.tensor([r.input_ids + [pad] * (width - len(r.input_ids)) for r in rows])
+    am = torch.tensor([[1] * len(r.input_ids) + [0] * (width - len(r.input_ids)) for r in rows])
+    lm = torch.tensor([r.loss_mask + [0] * (width - len(r.loss_mask)) for r in rows])
+    layers = spec.feature_layers(cfg, target.model.config)
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, attention_mask=am, output_hidden_states=True).hidden_states
+    n = target.model.config.num_hidden_layers
+    feats = TargetFeatures({i: hs[i] for i in layers}, n, target.model.get_output_embeddings())
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    module.train()
+    for _ in range(steps):
+        loss, _ = spec.loss(module, TrainBatch(ids, am, lm), feats, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return module.eval()
+
+
+def _same(a: DecodeStats, b: DecodeStats) -> None:
+    assert a.accepted_lengths == b.accepted_lengths
+    assert a.attempted_per_position == b.attempted_per_position
+    assert a.accepted_per_position == b.accepted_per_position
+    assert a.draft_tokens_proposed == b.draft_tokens_proposed
+    assert a.target_forwards == b.target_forwards and a.new_tokens == b.new_tokens
+
+
+@pytest.mark.parametrize("family", list(FAMILY_KW))
+def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, family: str) -> None:
+    from eval.decoder import SpeculativeDecoder
+    from eval.replay import replay, trace_target
+    from train.drafters import registry
+
+    prompts, conts = traffic
+    eos = target.tokenizer.eos_token_id
+    spec = registry.get(family)
+    base = {"chain_k": 4, "tree_depth": 4, "tree_top_k": 3, "tree_total_tokens": 10, **FAMILY_KW[family]}
+    module = _fit(spec, spec.config_cls(**base), target, prompts, conts)
+    deepest = 0
+    for mode in ("chain", "tree"):
+        cfg = spec.config_cls(decode=mode, **base)
+        for p, c in zip(prompts, conts, strict=True):
+            ref = SpeculativeDecoder(target.model, spec.proposer(module, target.model, cfg)).generate(
+                torch.tensor([p]), MAX_NEW, eos
+            )
+            prop = spec.proposer(module, target.model, cfg)
+            trace = trace_target(target.model, p, c, prop.aux_hidden_layers, prop.needs_hidden_states)
+            tokens, stats = replay(prop, trace, MAX_NEW, eos)
+            assert tokens == ref.tokens
+            _same(stats, ref.stats)
+            deepest = max(deepest, max(stats.accepted_lengths, default=0))
+    assert deepest >= 3, f"{family}: the fitted drafter should accept deep drafts (deepest {deepest})"
+
+
+def test_prompt_lookup_replay_equals_decode(target, traffic) -> None:
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import PromptLookupProposer
+    from eval.replay import replay, trace_target
+
+    prompts, conts = traffic
+    eos = target.tokenizer.eos_token_id
+    for p, c in zip(prompts, conts, strict=True):
+        ref = SpeculativeDecoder(target.model, PromptLookupProposer(num_tokens=5)).generate(
+            torch.tensor([p]), MAX_NEW, eos
+        )
+        trace = trace_target(target.model, p, c, None, need_hidden=False)
+        tokens, stats = replay(PromptLookupProposer(num_tokens=5), trace, MAX_NEW, eos)
+        assert tokens == ref.tokens
+        _same(stats, ref.stats)
+
+
+def test_bootstrap_interval() -> None:
+    from eval.replay import bootstrap_tau_ci
+
+    def stats(acc: list[int]) -> DecodeStats:
+        s = DecodeStats()
+        for a in acc:
+            s.record_step(a, a + 1, 5)
+        return s
+
+    same = [stats([1, 1, 1, 1]) for _ in range(20)]
+    assert bootstrap_tau_ci(same) == pytest.approx((2.0, 2.0))  # no spread between prompts: a point
+    mixed = [stats([0] * 10), stats([4] * 10)] * 10
+    lo, hi = bootstrap_tau_ci(mixed)
+    assert 1.0 < lo < 3.0 < hi < 5.0  # pooled tau is 3.0; the interval straddles it
+    lo2, hi2 = bootstrap_tau_ci(mixed * 4)
+    assert hi2 - lo2 < hi - lo  # more prompts, narrower interval
+    assert all(math.isnan(x) for x in bootstrap_tau_ci([]))
