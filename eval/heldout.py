@@ -52,6 +52,57 @@ def load_heldout(synth_dir: str | Path, tokenizer: Any, per_source: int, max_pro
     return prompts
 
 
+def traffic_prompts(
+    pattern: str, tokenizer: Any, per_source: int, max_prompt_tokens: int, max_chars: int = 20000
+) -> tuple[list[Prompt], dict[str, int]]:
+    """Every row of a JSONL / Parquet traffic file (or glob) as a prompt to judge, grouped by its ``source``
+    (or ``domain``) field when it has one (else by the file's stem); at most ``per_source`` per group.
+
+    Rows carry OpenAI-style ``messages`` (the prompt is everything up to the first user turn) or a ``prompt``
+    string. Rows that cannot be used are skipped and counted by reason (returned with the prompts).
+    """
+    from data.sources import Skip, _records_from_file, normalise_messages
+    from train.config import ConfigError, resolve_path
+
+    p = Path(resolve_path(pattern))
+    files = sorted(p.parent.glob(p.name)) if any(c in p.name for c in "*?[") else [p]
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise ConfigError(f"eval.prompts={pattern!r}: no such file (a JSONL or Parquet file or glob, or synth | data)")
+    skipped: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    prompts: list[Prompt] = []
+    for f in files:
+        for n, rec in enumerate(_records_from_file(f), 1):
+            try:
+                if isinstance(rec, Skip):
+                    raise rec
+                if not isinstance(rec, dict):
+                    raise Skip("not_an_object")
+                raw = rec.get("messages")
+                if raw is None and isinstance(rec.get("prompt"), str):
+                    raw = [{"role": "user", "content": rec["prompt"]}]
+                msgs = normalise_messages(raw, max_chars, 1)
+                src = rec.get("source", rec.get("domain", f.stem))
+                src = str(src) if isinstance(src, str | int) and str(src) else f.stem
+                if counts.get(src, 0) >= per_source:
+                    continue
+                first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+                ids = prompt_ids(tokenizer, msgs[: first_user + 1])
+                if len(ids) > max_prompt_tokens:
+                    raise Skip("prompt_too_long")
+            except Skip as s:
+                skipped[s.reason] = skipped.get(s.reason, 0) + 1
+                continue
+            counts[src] = counts.get(src, 0) + 1
+            prompts.append(Prompt(src, str(rec.get("id", f"{f.name}:{n}")), ids))
+    if skipped:
+        logger.warning("eval.prompts=%s: skipped rows by reason: %s", pattern, skipped)
+    if not prompts:
+        raise ConfigError(f"eval.prompts={pattern!r}: no usable prompts in {len(files)} file(s) (skipped: {skipped})")
+    return prompts, skipped
+
+
 def measure(
     target_model: torch.nn.Module,
     proposer: Proposer,

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from data.target import Target, load_target
 from eval.heldout import Prompt, load_heldout
 from eval.metrics import DecodeStats, expected_tokens_per_step
+from eval.replay import ContinuationCache, bootstrap_tau_ci, describe_interval, replay_many
 from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from train.config import Config, ConfigError
 from train.manifest import write_manifest
@@ -37,6 +38,9 @@ from train.tracking import Tracker
 logger = logging.getLogger(__name__)
 
 PROPOSERS = ("drafter", "prompt_lookup", "draft_model", "hf_assisted", "hf_prompt_lookup")
+
+
+GenerateFn = Callable[[Prompt, torch.Tensor], tuple[list[int], DecodeStats]]
 
 
 @dataclass
@@ -48,9 +52,19 @@ class Result:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     k: int | None = None
     """Chain length (for the analytic model); None for trees and peers."""
+    per_prompt: dict[str, list[DecodeStats]] = field(default_factory=dict)
+    """Each prompt's own counters, by source (for the bootstrap interval)."""
 
 
-GenerateFn = Callable[[Prompt, torch.Tensor], tuple[list[int], DecodeStats]]
+@dataclass
+class Method:
+    """One compared method: its decode function and, for our proposers, the proposer (replayable)."""
+
+    name: str
+    fn: GenerateFn
+    k: int | None = None
+    proposer: Any = None
+    """A :class:`eval.proposers.base.Proposer` (replay needs one); None for HF peers (decode only)."""
 
 
 def run_method(name: str, prompts: list[Prompt], fn: GenerateFn, k: int | None = None) -> Result:
@@ -60,9 +74,25 @@ def run_method(name: str, prompts: list[Prompt], fn: GenerateFn, k: int | None =
         tokens, stats = fn(p, torch.tensor([p.input_ids]))
         per.setdefault(p.source, []).append(stats)
         res.outputs[f"{p.source}:{p.id}"] = tokens
-    res.stats = {s: DecodeStats.merge_all(v) for s, v in per.items()}
-    res.stats["all"] = DecodeStats.merge_all([x for v in per.values() for x in v])
+    return finish_result(res, per)
+
+
+def finish_result(res: Result, per: dict[str, list[DecodeStats]]) -> Result:
+    """Pool per-prompt counters by source and over all sources ("all")."""
+    res.per_prompt = {**per, "all": [x for v in per.values() for x in v]}
+    res.stats = {s: DecodeStats.merge_all(v) for s, v in res.per_prompt.items()}
     return res
+
+
+MODES = ("replay", "decode", "both")
+
+
+def _decode_budget(e: Any) -> tuple[int, int]:
+    """(prompts per source, new tokens) of the decoded sample: the whole sample in mode decode, else the
+    smaller ``decode_prompts`` x ``decode_max_new_tokens`` one."""
+    if e.mode == "decode":
+        return e.num_prompts, e.max_new_tokens
+    return e.decode_prompts, e.decode_max_new_tokens
 
 
 def _ours(target: Target, proposer: Any, cfg: Config) -> GenerateFn:
@@ -72,7 +102,7 @@ def _ours(target: Target, proposer: Any, cfg: Config) -> GenerateFn:
 
     def fn(p: Prompt, ids: torch.Tensor) -> tuple[list[int], DecodeStats]:
         gen = torch.Generator().manual_seed(cfg.eval.seed) if cfg.eval.temperature > 0 else None
-        r = dec.generate(ids, cfg.eval.max_new_tokens, target.tokenizer.eos_token_id, gen)
+        r = dec.generate(ids, _decode_budget(cfg.eval)[1], target.tokenizer.eos_token_id, gen)
         return r.tokens, r.stats
 
     return fn
@@ -86,7 +116,7 @@ def _plain(target: Target, cfg: Config) -> GenerateFn:
         r = plain_decode(
             target.model,
             ids,
-            cfg.eval.max_new_tokens,
+            _decode_budget(cfg.eval)[1],
             target.tokenizer.eos_token_id,
             cfg.eval.temperature,
             cfg.eval.top_p,
@@ -163,8 +193,8 @@ def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, 
     return spec, spec.load(str(path), target.model, dcfg), dcfg
 
 
-def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, int | None]]:
-    """The proposers named in ``eval.proposers``, as (name, generate function, chain K)."""
+def build_methods(cfg: Config, target: Target) -> list[Method]:
+    """The proposers named in ``eval.proposers`` (name, decode function, chain K, proposer)."""
     from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
     from eval.proposers import DraftModelProposer, PromptLookupProposer
 
@@ -183,7 +213,7 @@ def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, in
         raise ConfigError("HF peers are greedy-only here: use eval.temperature=0 or drop hf_* from eval.proposers")
     modes = ["chain", "tree"] if e.decode == "both" else [e.decode]
     eos = target.tokenizer.eos_token_id
-    methods: list[tuple[str, GenerateFn, int | None]] = []
+    methods: list[Method] = []
     draft: torch.nn.Module | None = None
     if e.draft_model:
         draft = load_draft_model(e.draft_model, target)
@@ -201,10 +231,10 @@ def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, in
                 # what the proposer really drafts.
                 k_eff = int(getattr(prop, "chain_k", e.k))
                 label = f"{dcfg.name}_{mode}" + (f"_k{k_eff}" if mode == "chain" else f"_n{d.tree_total_tokens}")
-                methods.append((label, _ours(target, prop, cfg), k_eff if mode == "chain" else None))
+                methods.append(Method(label, _ours(target, prop, cfg), k_eff if mode == "chain" else None, prop))
         elif name == "prompt_lookup":
             prop = PromptLookupProposer(num_tokens=e.k, max_ngram=e.prompt_lookup_max_ngram)
-            methods.append((f"prompt_lookup_k{e.k}", _ours(target, prop, cfg), e.k))
+            methods.append(Method(f"prompt_lookup_k{e.k}", _ours(target, prop, cfg), e.k, prop))
         elif name == "draft_model":
             assert draft is not None
             for mode in modes:
@@ -220,20 +250,20 @@ def build_methods(cfg: Config, target: Target) -> list[tuple[str, GenerateFn, in
                     target_tokenizer=target.tokenizer,
                 )
                 label = f"draft_model_{mode}" + (f"_k{e.k}" if mode == "chain" else f"_n{n_tree}")
-                methods.append((label, _ours(target, prop, cfg), e.k if mode == "chain" else None))
+                methods.append(Method(label, _ours(target, prop, cfg), e.k if mode == "chain" else None, prop))
         elif name == "hf_assisted":
             assert draft is not None
 
             def assisted(ids: torch.Tensor, n: int, dm: torch.nn.Module = draft) -> Any:
                 return hf_assisted_generate(target.model, dm, ids, n, e.k, eos)
 
-            methods.append((f"hf_assisted_k{e.k}", _hf_peer(target, assisted, e.max_new_tokens), e.k))
+            methods.append(Method(f"hf_assisted_k{e.k}", _hf_peer(target, assisted, _decode_budget(e)[1]), e.k))
         elif name == "hf_prompt_lookup":
 
             def lookup(ids: torch.Tensor, n: int) -> Any:
                 return hf_prompt_lookup_generate(target.model, ids, n, e.k, eos_token_id=eos)
 
-            methods.append((f"hf_prompt_lookup_k{e.k}", _hf_peer(target, lookup, e.max_new_tokens), e.k))
+            methods.append(Method(f"hf_prompt_lookup_k{e.k}", _hf_peer(target, lookup, _decode_budget(e)[1]), e.k))
     return methods
 
 
@@ -290,22 +320,112 @@ def summarise(res: Result, base: Result) -> dict[str, Any]:
     return out
 
 
+_DECODE_ONLY = (
+    "target_forwards",
+    "new_tokens",
+    "tokens_per_s",
+    "speedup",
+    "draft_cost_ratio_c",
+    "verify_cost_ratio_v",
+    "model_tokens_per_step",
+    "predicted_speedup",
+    "identical_to_plain",
+)
+
+
+def acceptance(stats: DecodeStats, per_prompt: list[DecodeStats], n_boot: int, seed: int) -> dict[str, Any]:
+    """tau with its 95% bootstrap interval over prompts, alpha_i, the tau histogram, draft tokens per step."""
+    hist: dict[int, int] = {}
+    for a in stats.accepted_lengths:
+        hist[a + 1] = hist.get(a + 1, 0) + 1
+    lo, hi = bootstrap_tau_ci(per_prompt, n_boot=n_boot, seed=seed)
+    return {
+        "tau": stats.tau(),
+        "tau_ci": [lo, hi],
+        "tau_hist": dict(sorted(hist.items())),
+        "alpha": stats.alpha(),
+        "draft_tokens_per_step": stats.draft_tokens_proposed / max(1, stats.verify_steps),
+        "prompts": len(per_prompt),
+        "new_tokens_judged": stats.new_tokens,
+    }
+
+
+def combine(
+    name: str,
+    decoded: Result | None,
+    base: Result | None,
+    replayed: Result | None,
+    k: int | None,
+    e: Any,
+) -> dict[str, Any]:
+    """Per-source metrics of one method: acceptance (tau, interval, alpha, histogram) from the replayed sample
+    when there is one, else from the decoded one; speed, cost ratios and the lossless check from decoding.
+
+    ``tau_from`` says which sample gave tau; ``decode_tau`` is the decoded sample's own tau. With both, the
+    predicted speedup uses the replayed alpha_i / tau with the decoded cost ratios c and v.
+    """
+    out: dict[str, Any] = {}
+    dec = summarise(decoded, base) if decoded is not None and base is not None else {}
+    sources = list(replayed.stats) if replayed is not None else list(dec)
+    for src in sources:
+        d = dec.get(src)
+        if replayed is not None and src in replayed.stats:
+            m = acceptance(replayed.stats[src], replayed.per_prompt[src], e.bootstrap, e.seed)
+            m["tau_from"] = "replay"
+            m["replay_draft_seconds"] = replayed.stats[src].draft_time_s
+        elif decoded is not None:
+            m = acceptance(decoded.stats[src], decoded.per_prompt[src], e.bootstrap, e.seed)
+            m["tau_from"] = "decode"
+        else:
+            continue
+        if d is None:
+            m.update({key: math.nan for key in _DECODE_ONLY})
+            m["decode_tau"] = math.nan
+        else:
+            m.update({key: d[key] for key in _DECODE_ONLY})
+            m["decode_tau"] = d["tau"]
+            m["decode_prompts"] = len(decoded.per_prompt.get(src, [])) if decoded is not None else 0
+            if m["tau_from"] == "replay" and not name.startswith("hf_") and name != "plain":
+                v, c, alpha = d["verify_cost_ratio_v"], d["draft_cost_ratio_c"], m["alpha"]
+                if k and len(alpha) >= k and not any(math.isnan(a) for a in alpha[:k]):
+                    m["model_tokens_per_step"] = expected_tokens_per_step(alpha, k)
+                    m["predicted_speedup"] = m["model_tokens_per_step"] / (v + k * c)
+                elif decoded is not None:
+                    s = decoded.stats[src]
+                    t_draft_step = s.draft_time_s / max(1, s.verify_steps)
+                    b = base.stats[src] if base is not None else s
+                    t_plain = b.target_time_s / max(1, b.target_forwards)
+                    m["model_tokens_per_step"] = m["tau"]
+                    m["predicted_speedup"] = m["tau"] / (v + t_draft_step / t_plain) if t_plain > 0 else math.nan
+        out[src] = m
+    return out
+
+
+def _f(v: float, spec: str, suffix: str = "") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+
+
 def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> str:
     lines = [
-        "| source | method | tau | alpha_1..3 | draft tok/step | tok/s | speedup | c | v | predicted | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| source | method | tau [95% CI] | prompts | alpha_1..3 | draft tok/step | decode tau | tok/s | speedup | c "
+        "| v | predicted | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for src in sources:
         for name, per in metrics.items():
             m = per.get(src)
             if m is None:
                 continue
-            al = ", ".join(f"{a:.2f}" for a in m["alpha"][:3]) if m["alpha"] else "-"
+            al = ", ".join(_f(a, ".2f") for a in m["alpha"][:3]) if m["alpha"] else "-"
+            lo, hi = m.get("tau_ci", [math.nan, math.nan])
+            tau = f"{m['tau']:.2f} {describe_interval(lo, hi)}"
+            n = f"{m.get('prompts', '-')} {m.get('tau_from', '')}".strip()
             lines.append(
-                f"| {src} | {name} | {m['tau']:.2f} | {al} | {m['draft_tokens_per_step']:.1f} | "
-                f"{m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['draft_cost_ratio_c']:.3f} | "
-                f"{m['verify_cost_ratio_v']:.2f} | "
-                f"{m['predicted_speedup']:.2f}x | {m['identical_to_plain']:.0%} |"
+                f"| {src} | {name} | {tau} | {n} | {al} | {m['draft_tokens_per_step']:.1f} | "
+                f"{_f(m.get('decode_tau', math.nan), '.2f')} | {_f(m['tokens_per_s'], '.1f')} | "
+                f"{_f(m['speedup'], '.2f', 'x')} | {_f(m['draft_cost_ratio_c'], '.3f')} | "
+                f"{_f(m['verify_cost_ratio_v'], '.2f')} | "
+                f"{_f(m['predicted_speedup'], '.2f', 'x')} | {_f(m['identical_to_plain'], '.0%')} |"
             )
     return "\n".join(lines)
 
@@ -340,7 +460,9 @@ def select_prompts(cfg: Config, target: Target) -> list[Prompt]:
     if cfg.eval.prompts == "synth":
         return load_heldout(cfg.synth_dir, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)
     if cfg.eval.prompts != "data":
-        raise ConfigError(f"eval.prompts={cfg.eval.prompts!r} must be synth or data")
+        from eval.heldout import traffic_prompts
+
+        return traffic_prompts(cfg.eval.prompts, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)[0]
     from data.render import prompt_ids
     from data.sources import SkipCounter
     from data.split import select
@@ -358,30 +480,123 @@ def select_prompts(cfg: Config, target: Target) -> list[Prompt]:
     return prompts
 
 
+def check_eval_config(e: Any) -> None:
+    """Cheap value checks of the eval settings (before anything loads)."""
+    if e.max_new_tokens < 1 or e.k < 1 or e.num_prompts < 1:
+        raise ConfigError("eval.max_new_tokens, eval.num_prompts and eval.k must be >= 1")
+    if e.mode not in MODES:
+        raise ConfigError(f"eval.mode={e.mode!r} must be one of {', '.join(MODES)}")
+    if e.mode == "both" and (e.decode_prompts < 1 or e.decode_max_new_tokens < 1):
+        raise ConfigError("eval.decode_prompts and eval.decode_max_new_tokens must be >= 1 (or eval.mode=replay)")
+    if e.mode != "decode" and e.temperature > 0:
+        raise ConfigError(
+            "eval.mode=replay/both replays the greedy (temperature 0) trajectory; for eval.temperature > 0 use "
+            "eval.mode=decode (lossless rejection sampling in the real decoder)"
+        )
+
+
+def continuations_dir(cfg: Config, run_dir: Path) -> Path:
+    """Where the greedy continuations of the judged prompts are cached."""
+    if cfg.eval.continuations_dir:
+        return Path(cfg.eval.continuations_dir)
+    if cfg.eval.prompts == "synth":
+        return Path(cfg.synth_dir) / "replay"
+    return run_dir / "replay"
+
+
+def replay_methods(
+    cfg: Config, target: Target, prompts: list[Prompt], methods: list[Method], run_dir: Path
+) -> tuple[dict[str, Result], dict[str, float]]:
+    """Replay every method that has a proposer on every prompt (continuations cached on disk)."""
+    e = cfg.eval
+    t0 = time.perf_counter()
+    cache = ContinuationCache(continuations_dir(cfg, run_dir), target.fingerprint)
+    conts = cache.get(
+        target.model,
+        [p.input_ids for p in prompts],
+        e.max_new_tokens,
+        target.tokenizer.pad_token_id,
+        e.replay_batch_size,
+    )
+    t_cont = time.perf_counter() - t0
+    proposers = {m.name: m.proposer for m in methods if m.proposer is not None}
+    stats, outputs, trace_s = replay_many(
+        target.model, proposers, prompts, conts, e.max_new_tokens, target.tokenizer.eos_token_id
+    )
+    results = {name: finish_result(Result(name=name, outputs=outputs[name]), stats[name]) for name in proposers}
+    timings = {
+        "continuations_seconds": round(t_cont, 2),
+        "trace_seconds": round(trace_s, 2),
+        "replay_seconds": round(time.perf_counter() - t0 - t_cont, 2),
+    }
+    logger.info(
+        "replay: %d prompts x %d tokens, %d methods: continuations %.1f s, target traces %.1f s, in all %.1f s",
+        len(prompts),
+        e.max_new_tokens,
+        len(proposers),
+        t_cont,
+        trace_s,
+        time.perf_counter() - t0,
+    )
+    return results, timings
+
+
+def first_per_source(prompts: list[Prompt], n: int) -> list[Prompt]:
+    counts: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if counts.get(p.source, 0) < n:
+            counts[p.source] = counts.get(p.source, 0) + 1
+            out.append(p)
+    return out
+
+
 def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[str, Any]:
     e = cfg.eval
-    if e.max_new_tokens < 1 or e.k < 1:
-        raise ConfigError("eval.max_new_tokens and eval.k must be >= 1")
+    check_eval_config(e)
     t0 = time.perf_counter()
     target = target or load_target(cfg.target)
     prompts = select_prompts(cfg, target)
     methods = build_methods(cfg, target)  # check every proposer before the expensive runs
     sources = [*sorted({p.source for p in prompts}), "all"]
+    n_dec, tok_dec = _decode_budget(e)
     logger.info(
-        "eval: %d held-out prompts (%s), %d methods, %d new tokens each",
+        "eval (mode=%s): %d held-out prompts (%s), %d methods; replay %d tokens each; decode %s",
+        e.mode,
         len(prompts),
         ", ".join(sources[:-1]),
         len(methods),
         e.max_new_tokens,
+        "off" if e.mode == "replay" else f"{n_dec} prompts per source x {tok_dec} tokens",
     )
-    _plain(target, cfg)(prompts[0], torch.tensor([prompts[0].input_ids[-64:]]))  # warm-up, untimed
-    base = run_method("plain", prompts, _plain(target, cfg))
-    results = [run_method(n, prompts, fn, k) for n, fn, k in methods]
-    metrics = {"plain": summarise(base, base), **{r.name: summarise(r, base) for r in results}}
+    timings: dict[str, float] = {}
+    replayed: dict[str, Result] = {}
+    if e.mode in ("replay", "both"):
+        replayed, timings = replay_methods(cfg, target, prompts, methods, run_dir)
+    decoded: dict[str, Result] = {}
+    base: Result | None = None
+    if e.mode in ("decode", "both"):
+        t1 = time.perf_counter()
+        dprompts = first_per_source(prompts, n_dec)
+        _plain(target, cfg)(dprompts[0], torch.tensor([dprompts[0].input_ids[-64:]]))  # warm-up, untimed
+        base = run_method("plain", dprompts, _plain(target, cfg))
+        decoded = {m.name: run_method(m.name, dprompts, m.fn, m.k) for m in methods}
+        timings["decode_seconds"] = round(time.perf_counter() - t1, 2)
+    metrics: dict[str, dict[str, Any]] = {}
+    if base is not None:
+        metrics["plain"] = combine("plain", base, base, None, None, e)
+    for m in methods:
+        metrics[m.name] = combine(m.name, decoded.get(m.name), base, replayed.get(m.name), m.k, e)
     table = markdown_table(metrics, sources)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
-        run_dir / "metrics.json", {"settings": asdict(e), "num_prompts": len(prompts), "metrics": metrics}
+        run_dir / "metrics.json",
+        {
+            "settings": asdict(e),
+            "num_prompts": len(prompts),
+            "decode_prompts": len(first_per_source(prompts, n_dec)) if e.mode != "replay" else 0,
+            "metrics": metrics,
+        },
     )
     atomic_write_text(run_dir / "table.md", table + "\n")
     if e.plot:
@@ -392,7 +607,7 @@ def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[s
         cfg,
         target={"name": cfg.target.name, "fingerprint": target.fingerprint},
         inputs={"synth_dir": cfg.synth_dir},
-        timings={"seconds": round(time.perf_counter() - t0, 2)},
+        timings={"seconds": round(time.perf_counter() - t0, 2), **timings},
         files={"metrics": "metrics.json", "table": "table.md", "plot": "acceptance.png"},
     )
     tracker = Tracker(cfg.wandb, run_dir, f"{cfg.run_name}-eval", cfg.run_name, "eval", asdict(cfg))
@@ -404,17 +619,27 @@ def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[s
             for k, v in m.items()
             if isinstance(v, int | float)
         }
+        flat.update({f"{name}/{src}/tau_lo": m["tau_ci"][0] for name, per in metrics.items() for src, m in per.items()})
+        flat.update({f"{name}/{src}/tau_hi": m["tau_ci"][1] for name, per in metrics.items() for src, m in per.items()})
         tracker.log(flat)
         if tracker.run is not None:
             import wandb
 
-            cols = ["source", "method", "tau", "speedup", "predicted_speedup", "draft_cost_ratio_c"]
+            cols = ["source", "method", "tau", "tau_lo", "tau_hi", "speedup", "predicted_speedup", "draft_cost_ratio_c"]
             tracker.log(
                 {
                     "eval_table": wandb.Table(
                         columns=cols,
                         data=[
-                            [src, name, m["tau"], m["speedup"], m["predicted_speedup"], m["draft_cost_ratio_c"]]
+                            [
+                                src,
+                                name,
+                                m["tau"],
+                                *m["tau_ci"],
+                                m["speedup"],
+                                m["predicted_speedup"],
+                                m["draft_cost_ratio_c"],
+                            ]
                             for name, per in metrics.items()
                             for src, m in per.items()
                         ],
@@ -426,5 +651,9 @@ def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[s
         tracker.files(run_dir, {"metrics": "metrics.json", "table": "table.md", "plot": "acceptance.png"})
     finally:
         tracker.finish()
-    logger.info("held-out acceptance (tau = tokens per target forward, bonus included):\n%s", table)
+    logger.info(
+        "held-out acceptance (tau = tokens per target forward, bonus included; 95%% bootstrap interval over "
+        "prompts):\n%s",
+        table,
+    )
     return metrics

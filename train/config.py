@@ -134,8 +134,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0
     """Measure held-out tau with the eval decoder every M steps to pick the best checkpoint (0: at the end only)."""
-    eval_prompts: int = 8
-    eval_max_new_tokens: int = 48
+    eval_prompts: int = 32
+    """Held-out prompts per source for the checks (replayed: one target forward per prompt, cached continuations)."""
+    eval_max_new_tokens: int = 128
+    eval_mode: str = "replay"
+    """replay (default; same counts as decoding, far cheaper) | decode (the real decoder, slow)."""
     stop_after_steps: int | None = None
     """Stop (after checkpointing) at this step although max_steps is later: for tests and time-sliced jobs."""
 
@@ -166,10 +169,28 @@ class EvalConfig:
     """A standalone draft model directory for the draft_model / hf_assisted proposers."""
     prompts: str = "synth"
     """Where held-out prompts come from: synth (the synth run's heldout.jsonl) | data (the held-out split of
-    the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed)."""
-    num_prompts: int = 16
-    """Held-out prompts per source."""
-    max_new_tokens: int = 64
+    the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed) | a JSONL or Parquet
+    file or glob (every row's prompt is judged; grouped by its ``source`` / ``domain`` field when present)."""
+    mode: str = "both"
+    """replay | decode | both. replay: tau, alpha and their 95% intervals from replaying the target's greedy
+    continuation of num_prompts prompts per source (one target forward per prompt, see eval/replay.py);
+    decode: real speculative decoding (wall-clock speed, token-for-token check); both: replay for tau, decode
+    for speed on the first decode_prompts prompts per source."""
+    num_prompts: int = 200
+    """Held-out prompts per source (replay; decode too when mode=decode)."""
+    max_new_tokens: int = 256
+    """New tokens per prompt (replay; decode too when mode=decode)."""
+    decode_prompts: int = 4
+    """mode=both: prompts per source that are also decoded for speed and the lossless check."""
+    decode_max_new_tokens: int = 64
+    """mode=both: new tokens per decoded prompt."""
+    continuations_dir: str | None = None
+    """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
+    run dir's replay/)."""
+    replay_batch_size: int = 8
+    """Batch size for generating the continuations."""
+    bootstrap: int = 2000
+    """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
     temperature: float = 0.0
     top_p: float = 1.0
     k: int = 5

@@ -245,7 +245,7 @@ def test_medusa_trains_logs_per_head_metrics_and_resumes_exactly(
 
     cfg = compose([*SMALL_SYNTH, "drafter=medusa", f"eval.drafter_dir={best}", "eval.k=5", "eval.decode=both"])
     cfg.eval.proposers = ["drafter"]
-    methods = {name: k for name, _, k in build_methods(cfg, target)}
+    methods = {m.name: m.k for m in build_methods(cfg, target)}
     assert methods == {"medusa_chain_k4": 4, "medusa_tree_n16": None}, methods
 
     # Two processes (torchrun, gloo), same global batch (grad_accum=1 each): the same losses and, after the
