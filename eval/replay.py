@@ -132,18 +132,19 @@ def _cache_kw(model: torch.nn.Module) -> str:
     return _cache_kwarg(model)
 
 
-def _key(fingerprint: str, max_new_tokens: int, prompt: Sequence[int]) -> str:
-    h = hashlib.sha256(f"{fingerprint}|{max_new_tokens}|".encode())
+def _key(fingerprint: str, prompt: Sequence[int]) -> str:
+    h = hashlib.sha256(f"{fingerprint}|".encode())
     h.update(",".join(map(str, prompt)).encode())
     return h.hexdigest()[:32]
 
 
 class ContinuationCache:
-    """Greedy continuations on disk (``continuations.jsonl``), keyed by target fingerprint, length and prompt.
+    """Greedy continuations on disk (``continuations.jsonl``), keyed by target fingerprint and prompt.
 
     Made once (per synth run, or per traffic file) and reused by every later evaluation and training-time
-    check; missing ones are generated in batches and the file is rewritten atomically after each batch, so a
-    killed run keeps what it made.
+    check; a stored continuation serves any shorter budget (greedy decoding's prefix). Missing or too short ones
+    are generated in batches and the file is rewritten atomically after each batch, so a killed run keeps what
+    it made.
     """
 
     def __init__(self, directory: str | Path, fingerprint: str) -> None:
@@ -172,8 +173,8 @@ class ContinuationCache:
         """Continuations of ``prompts`` (``max_new_tokens`` each), generating and storing the missing ones."""
         from train.atomic import atomic_write_text
 
-        keys = [_key(self.fingerprint, max_new_tokens, p) for p in prompts]
-        missing = sorted({k: i for i, k in enumerate(keys) if k not in self._rows}.values())
+        keys = [_key(self.fingerprint, p) for p in prompts]
+        missing = sorted({k: i for i, k in enumerate(keys) if len(self._rows.get(k, ())) < max_new_tokens}.values())
         if missing:
             t0 = time.perf_counter()
             logger.info(
@@ -199,7 +200,7 @@ class ContinuationCache:
                 dt,
                 len(missing) * max_new_tokens / dt,
             )
-        return [self._rows[k] for k in keys]
+        return [self._rows[k][:max_new_tokens] for k in keys]
 
 
 # ----------------------------------------------------------------------------------------------

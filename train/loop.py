@@ -82,6 +82,8 @@ def validate_train(cfg: Config) -> None:
         errors.append(f"train.features={t.features!r} must be online or precomputed")
     if t.dtype not in ("auto", "float32", "bfloat16"):
         errors.append(f"train.dtype={t.dtype!r} must be auto, float32 or bfloat16")
+    if t.eval_mode not in ("replay", "decode"):
+        errors.append(f"train.eval_mode={t.eval_mode!r} must be replay or decode")
     if cfg.drafter is None:
         errors.append(f"no drafter chosen: add drafter=<{'|'.join(registry.names())}>")
     if errors:
@@ -323,20 +325,34 @@ class Trainer:
         return copy.to(self.target.model.dtype).eval()
 
     def _eval_tau(self, drafter: torch.nn.Module) -> dict[str, Any]:
+        """Held-out tau of the drafter's configured decode (chain or tree) on a fixed held-out sample.
+
+        ``train.eval_mode=replay`` (default) replays the target's cached greedy continuations (same counts as
+        the decoder, see eval/replay.py; one target forward per prompt); ``decode`` runs the real decoder.
+        """
         from eval.heldout import load_heldout, measure
 
         cfg = self.cfg
         prompts = load_heldout(cfg.synth_dir, self.target.tokenizer, cfg.train.eval_prompts, cfg.data.max_prompt_tokens)
         proposer = self.spec.proposer(drafter, self.target.model, cfg.drafter)
-        stats, _ = measure(
-            self.target.model,
-            proposer,
-            prompts,
-            cfg.train.eval_max_new_tokens,
-            self.target.tokenizer.eos_token_id,
-            desc=f"held-out tau @ step {self.step}",
-        )
-        return {src: {"tau": s.tau(), "alpha": s.alpha()} for src, s in stats.items()}
+        eos = self.target.tokenizer.eos_token_id
+        n_tok = cfg.train.eval_max_new_tokens
+        desc = f"held-out tau @ step {self.step}"
+        if cfg.train.eval_mode == "decode":
+            stats, _ = measure(self.target.model, proposer, prompts, n_tok, eos, desc=desc)
+            return {src: {"tau": s.tau(), "alpha": s.alpha()} for src, s in stats.items()}
+        from eval.metrics import DecodeStats
+        from eval.replay import ContinuationCache, bootstrap_tau_ci, replay_many
+
+        cache = ContinuationCache(Path(cfg.synth_dir) / "replay", self.target.fingerprint)
+        conts = cache.get(self.target.model, [p.input_ids for p in prompts], n_tok, self.target.tokenizer.pad_token_id)
+        per, _, _ = replay_many(self.target.model, {"drafter": proposer}, prompts, conts, n_tok, eos, desc=desc)
+        by_src = {**per["drafter"], "all": [s for v in per["drafter"].values() for s in v]}
+        out: dict[str, Any] = {}
+        for src, lst in by_src.items():
+            merged = DecodeStats.merge_all(lst)
+            out[src] = {"tau": merged.tau(), "alpha": merged.alpha(), "tau_ci": list(bootstrap_tau_ci(lst))}
+        return out
 
     def _save(self, final: bool = False, evaluate: bool = False) -> None:
         name = f"step-{self.step:06d}"
@@ -360,6 +376,11 @@ class Trainer:
                             "heldout/tau": tau,
                             **{f"heldout/tau_{s}": v["tau"] for s, v in heldout.items()},
                             **{f"heldout/alpha_{i + 1}": a for i, a in enumerate(heldout["all"]["alpha"])},
+                            **dict(
+                                zip(
+                                    ("heldout/tau_lo", "heldout/tau_hi"), heldout["all"].get("tau_ci", []), strict=False
+                                )
+                            ),
                         },
                         step=self.step,
                     )
