@@ -168,7 +168,12 @@ def load_run(entry: str) -> dict[str, Any]:
     if metrics:
         for method, per in metrics["metrics"].items():
             for src, m in per.items():
-                run["eval"].setdefault(method, {})[src] = {"tau": m.get("tau"), "speedup": m.get("speedup")}
+                run["eval"].setdefault(method, {})[src] = {
+                    "tau": m.get("tau"),
+                    "tau_ci": m.get("tau_ci"),
+                    "prompts": m.get("prompts"),
+                    "speedup": m.get("speedup"),
+                }
         run["eval_prompts"] = metrics.get("num_prompts")
         run["sources"].append(str(dirs["eval"] / "metrics.json"))
     train = _read_json(dirs["train"] / "manifest.json") if "train" in dirs else None
@@ -229,14 +234,47 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return str(v)
 
 
+def _ci(e: dict[str, Any]) -> tuple[float, float] | None:
+    ci = e.get("tau_ci")
+    if not ci or len(ci) != 2 or any(v is None or v != v for v in ci):  # missing or NaN
+        return None
+    return float(ci[0]), float(ci[1])
+
+
+def _tau_cell(e: dict[str, Any]) -> str:
+    tau, ci = e.get("tau"), _ci(e)
+    if tau is None:
+        return "-"
+    return f"{tau:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{tau:.2f}"
+
+
+def differs(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Whether tau of ``b`` differs from ``a`` beyond their 95% intervals (non-overlapping intervals: a
+    conservative test), as ``higher`` / ``lower`` / ``within intervals``; ``-`` when an interval is missing."""
+    ca, cb = _ci(a), _ci(b)
+    if ca is None or cb is None:
+        return "-"
+    if cb[0] > ca[1]:
+        return "higher"
+    if cb[1] < ca[0]:
+        return "lower"
+    return "within intervals"
+
+
 def rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
-    """(row label, one cell per run): tau and speedup per method and source, then training and budget."""
+    """(row label, one cell per run): tau [95% interval] per method and source, whether each run's tau differs
+    from the first run's beyond the intervals, speedup, then training and budget."""
     methods = sorted({m for r in runs for m in r["eval"] if m != "plain"})
     sources = sorted({s for r in runs for per in r["eval"].values() for s in per if s != "all"})
     out: list[tuple[str, list[str]]] = []
     for m in methods:
         for s in [*sources, "all"]:
-            out.append((f"tau {m} [{s}]", [_fmt(r["eval"].get(m, {}).get(s, {}).get("tau")) for r in runs]))
+            cells = [r["eval"].get(m, {}).get(s, {}) for r in runs]
+            out.append((f"tau {m} [{s}]", [_tau_cell(e) for e in cells]))
+            if len(runs) > 1:
+                verdicts = ["baseline", *(differs(cells[0], e) for e in cells[1:])]
+                if any(v not in ("-", "baseline") for v in verdicts):
+                    out.append((f"vs {runs[0]['label']}: {m} [{s}]", verdicts))
         out.append(
             (f"speedup {m} [all]", [_fmt(r["eval"].get(m, {}).get("all", {}).get("speedup"), ".2f") for r in runs])
         )
@@ -277,8 +315,14 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(keys) + 6), 4.5), width_ratios=[3, 1])
     width = 0.8 / max(1, len(runs))
     for i, r in enumerate(runs):
-        taus = [r["eval"].get(m, {}).get(s, {}).get("tau") or 0 for m, s in keys]
-        axes[0].bar([k + i * width for k in range(len(keys))], taus, width, label=r["label"])
+        cells = [r["eval"].get(m, {}).get(s, {}) for m, s in keys]
+        taus = [e.get("tau") or 0 for e in cells]
+        cis = [_ci(e) for e in cells]
+        err = [
+            [t - c[0] if c else 0 for t, c in zip(taus, cis, strict=True)],
+            [c[1] - t if c else 0 for t, c in zip(taus, cis, strict=True)],
+        ]
+        axes[0].bar([k + i * width for k in range(len(keys))], taus, width, label=r["label"], yerr=err, capsize=2)
     axes[0].set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], [f"{m}\n{s}" for m, s in keys], fontsize=7)
     axes[0].set_ylabel("held-out tau (tokens per target forward)")
     axes[0].axhline(1.0, color="grey", lw=0.8)
