@@ -422,7 +422,9 @@ def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> st
             n = f"{m.get('prompts', '-')} {m.get('tau_from', '')}".strip()
             lines.append(
                 f"| {src} | {name} | {tau} | {n} | {al} | {m['draft_tokens_per_step']:.1f} | "
-                f"{_f(m.get('decode_tau', math.nan), '.2f')} | {_f(m['tokens_per_s'], '.1f')} | "
+                f"{_f(m.get('decode_tau', math.nan), '.2f')}"
+                f"{' (expected ' + _f(m['expected_tau'], '.2f') + ')' if 'expected_tau' in m else ''} | "
+                f"{_f(m['tokens_per_s'], '.1f')} | "
                 f"{_f(m['speedup'], '.2f', 'x')} | {_f(m['draft_cost_ratio_c'], '.3f')} | "
                 f"{_f(m['verify_cost_ratio_v'], '.2f')} | "
                 f"{_f(m['predicted_speedup'], '.2f', 'x')} | {_f(m['identical_to_plain'], '.0%')} |"
@@ -541,6 +543,40 @@ def replay_methods(
     return results, timings
 
 
+def expected_along_paths(
+    cfg: Config, target: Target, method: Method, prompts: list[Prompt], base: Result
+) -> dict[str, tuple[float, list[float]]]:
+    """Sampling: the expected tau and alpha_j of a sampled-chain method along plain decoding's sampled outputs
+    (:func:`eval.replay.expected_acceptance`), per source; empty for methods without sampled chain drafts."""
+    from eval.replay import ExpectedAcceptance, expected_acceptance
+
+    if method.proposer is None:
+        return {}
+    per: dict[str, list[ExpectedAcceptance]] = {}
+    try:
+        for p in prompts:
+            path = base.outputs[f"{p.source}:{p.id}"]
+            gen = torch.Generator().manual_seed(cfg.eval.seed)
+            x = expected_acceptance(
+                method.proposer, target.model, p.input_ids, path, cfg.eval.temperature, cfg.eval.top_p, gen
+            )
+            per.setdefault(p.source, []).append(x)
+    except ValueError as exc:  # deterministic drafts (trees, prompt lookup): no proposal distribution to read
+        logger.info("expected acceptance not computed for %s: %s", method.name, exc)
+        return {}
+    per["all"] = [x for v in per.values() for x in v]
+    out: dict[str, tuple[float, list[float]]] = {}
+    for src, xs in per.items():
+        depth = max(len(x.attempted) for x in xs)
+        att = [sum(x.attempted[j] for x in xs if j < len(x.attempted)) for j in range(depth)]
+        acc = [sum(x.accepted[j] for x in xs if j < len(x.accepted)) for j in range(depth)]
+        out[src] = (
+            ExpectedAcceptance.pooled_tau(xs),
+            [a / t if t > 0 else math.nan for a, t in zip(acc, att, strict=True)],
+        )
+    return out
+
+
 def first_per_source(prompts: list[Prompt], n: int) -> list[Prompt]:
     counts: dict[str, int] = {}
     out = []
@@ -587,6 +623,11 @@ def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[s
         metrics["plain"] = combine("plain", base, base, None, None, e)
     for m in methods:
         metrics[m.name] = combine(m.name, decoded.get(m.name), base, replayed.get(m.name), m.k, e)
+    if e.temperature > 0 and base is not None:
+        for m in methods:
+            expected = expected_along_paths(cfg, target, m, dprompts, base)
+            for src, (tau_x, alpha_x) in expected.items():
+                metrics[m.name][src].update({"expected_tau": tau_x, "expected_alpha": alpha_x})
     table = markdown_table(metrics, sources)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(

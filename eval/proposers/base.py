@@ -92,10 +92,18 @@ class Proposer(ABC):
         self.top_p = top_p
         self.generator = generator
 
+    forced_tokens: list[int] | None = None
+    """Analysis hook (``eval.replay.expected_acceptance``): when set, :meth:`draft_token` drafts these tokens in
+    order instead of choosing (still recording each position's q), so a chain drafter's proposal distributions
+    can be read along a given path. Never set during decoding."""
+
     def draft_token(self, logits: torch.Tensor, sampled_from: list[torch.Tensor]) -> int:
         """Pick one chain draft token from ``logits`` ``[V]``: argmax at temperature 0, else a sample from
         q = logits_to_probs(logits) (drawn from ``self.generator``), with q appended to ``sampled_from``
         (the chain's ``draft_probs``, needed for lossless rejection sampling)."""
+        if self.forced_tokens is not None:
+            sampled_from.append(logits_to_probs(logits, self.temperature or 1.0, self.top_p).cpu())
+            return int(self.forced_tokens.pop(0)) if self.forced_tokens else int(logits.argmax())
         if self.temperature == 0.0:
             return int(logits.argmax())
         q = logits_to_probs(logits, self.temperature, self.top_p)

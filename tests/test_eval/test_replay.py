@@ -154,3 +154,34 @@ def test_bootstrap_interval() -> None:
     lo2, hi2 = bootstrap_tau_ci(mixed * 4)
     assert hi2 - lo2 < hi - lo  # more prompts, narrower interval
     assert all(math.isnan(x) for x in bootstrap_tau_ci([]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_expected_acceptance_matches_the_sampled_decoder(target_and_draft, temperature: float) -> None:
+    """Sampling: tau expected from the target's and the drafter's distributions along sampled paths agrees with
+    the tau the lossless sampling decoder really reaches (same pair, same K, 120 generations each)."""
+    from eval.decoder import SpeculativeDecoder, plain_decode
+    from eval.proposers import DraftModelProposer
+    from eval.replay import ExpectedAcceptance, expected_acceptance
+
+    pair = target_and_draft
+    k, n = 3, 32
+    vocab = pair.target.config.vocab_size
+    emitted = steps = 0
+    expected: list[ExpectedAcceptance] = []
+    for seed in range(40):
+        for p in pair.prompts:
+            prop = DraftModelProposer(pair.draft, vocab, num_tokens=k, mode="chain")
+            gen = torch.Generator().manual_seed(seed)
+            r = SpeculativeDecoder(pair.target, prop, temperature=temperature).generate(p, n, None, gen)
+            emitted += sum(a + 1 for a in r.stats.accepted_lengths)
+            steps += len(r.stats.accepted_lengths)
+            path = plain_decode(pair.target, p, n, None, temperature, 1.0, torch.Generator().manual_seed(1000 + seed))
+            prop = DraftModelProposer(pair.draft, vocab, num_tokens=k, mode="chain")
+            gen = torch.Generator().manual_seed(seed)
+            expected.append(expected_acceptance(prop, pair.target, p[0].tolist(), path.tokens, temperature, 1.0, gen))
+    decoded = emitted / steps
+    assert decoded > 2.0  # the pair accepts often: deeper positions matter
+    assert ExpectedAcceptance.pooled_tau(expected) == pytest.approx(decoded, rel=0.04)
+    alpha = [a / t for a, t in zip(expected[0].accepted, expected[0].attempted, strict=True) if t > 0]
+    assert all(0.0 <= a <= 1.0 for a in alpha)

@@ -1,0 +1,143 @@
+"""Replay vs decode on the same held-out prompts: time, and how often the two disagree (near-tie flips).
+
+    python scripts/bench_replay.py run_name=quickstart experiment=quickstart eval.num_prompts=24 \\
+        eval.max_new_tokens=128 [--decode-prompts 8]
+
+Arguments are Hydra overrides of the project config (the run's own experiment and run_name); the drafter is
+``<train_dir>/best`` (or ``eval.drafter_dir``), the methods are ``eval.proposers`` (drafter chain + tree, prompt
+lookup, ...). It
+
+1. makes (or reuses) the greedy continuations of every prompt (timed; cached as stage eval caches them);
+2. replays every method on every prompt (one target trace per prompt, shared; timed);
+3. decodes every method with the real speculative decoder on the first ``--decode-prompts`` prompts per source
+   (timed) and compares, prompt by prompt, emitted tokens and accepted counts with replay.
+
+Prints (and writes ``bench_replay.json`` in ``--out``) the times as ratios against decoding in the same process,
+and the number of prompts where replay and decode differ (0 expected; a difference is an fp32 near-tie that the
+batched trace and the incremental decoder round differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+logger = logging.getLogger("bench_replay")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--decode-prompts", type=int, default=4, help="prompts per source also decoded")
+    ap.add_argument("--out", default=None, help="where bench_replay.json goes (default: <run>/bench_replay)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from data.target import load_target
+    from eval.decoder import SpeculativeDecoder
+    from eval.metrics import DecodeStats
+    from eval.replay import ContinuationCache, replay_many
+    from eval.run import build_methods, continuations_dir, first_per_source, select_prompts
+    from train.config import register_configs
+
+    register_configs()
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=args.overrides))
+    torch.set_num_threads(cfg.runtime.num_threads or torch.get_num_threads())
+    out_dir = Path(args.out or Path(cfg.runs_root) / cfg.run_name / "bench_replay")
+    e = cfg.eval
+    target = load_target(cfg.target)
+    prompts = select_prompts(cfg, target)
+    methods = [m for m in build_methods(cfg, target) if m.proposer is not None]
+    eos = target.tokenizer.eos_token_id
+
+    t0 = time.perf_counter()
+    cache = ContinuationCache(continuations_dir(cfg, out_dir), target.fingerprint)
+    conts = cache.get(
+        target.model,
+        [p.input_ids for p in prompts],
+        e.max_new_tokens,
+        target.tokenizer.pad_token_id,
+        e.replay_batch_size,
+    )
+    t_cont = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    stats, outputs, trace_s = replay_many(
+        target.model, {m.name: m.proposer for m in methods}, prompts, conts, e.max_new_tokens, eos
+    )
+    t_replay = time.perf_counter() - t0
+
+    dprompts = first_per_source(prompts, args.decode_prompts)
+    report: dict[str, object] = {
+        "prompts": len(prompts),
+        "max_new_tokens": e.max_new_tokens,
+        "continuations_seconds": round(t_cont, 2),
+        "trace_seconds": round(trace_s, 2),
+        "replay_seconds_all_methods": round(t_replay, 2),
+        "decode_prompts": len(dprompts),
+        "methods": {},
+    }
+    for m in methods:
+        flat = {f"{src}:{i}": s for src, lst in stats[m.name].items() for i, s in enumerate(lst)}
+        per_src_pos: dict[str, int] = {}
+        replay_of: dict[str, DecodeStats] = {}
+        for p in prompts:  # replay_many keeps prompt order within each source
+            k = per_src_pos.get(p.source, 0)
+            per_src_pos[p.source] = k + 1
+            replay_of[f"{p.source}:{p.id}"] = flat[f"{p.source}:{k}"]
+        dec = SpeculativeDecoder(target.model, m.proposer)
+        t_dec, t_rep, differ = 0.0, 0.0, []
+        for p in dprompts:
+            key = f"{p.source}:{p.id}"
+            t1 = time.perf_counter()
+            r = dec.generate(torch.tensor([p.input_ids]), e.max_new_tokens, eos)
+            t_dec += time.perf_counter() - t1
+            rs = replay_of[key]
+            t_rep += rs.total_time_s
+            same = (
+                r.tokens == outputs[m.name][key]
+                and r.stats.accepted_lengths == rs.accepted_lengths
+                and r.stats.draft_tokens_proposed == rs.draft_tokens_proposed
+            )
+            if not same:
+                differ.append(key)
+        # the replay time of these prompts: their drafting + their share of the (shared) target traces
+        share = trace_s * len(dprompts) / len(prompts) / len(methods)
+        all_stats = DecodeStats.merge_all([s for lst in stats[m.name].values() for s in lst])
+        report["methods"][m.name] = {  # type: ignore[index]
+            "replay_tau_all": all_stats.tau(),
+            "replay_drafting_seconds_all": round(all_stats.draft_time_s, 2),
+            "decode_seconds_sample": round(t_dec, 2),
+            "replay_seconds_sample": round(t_rep + share, 2),
+            "decode_over_replay": round(t_dec / max(1e-9, t_rep + share), 2),
+            "prompts_where_replay_differs": differ,
+        }
+        logger.info(
+            "%s: decode %.1f s vs replay %.1f s on the same %d prompts (%.1fx); %d of them differ",
+            m.name,
+            t_dec,
+            t_rep + share,
+            len(dprompts),
+            t_dec / max(1e-9, t_rep + share),
+            len(differ),
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_replay.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
