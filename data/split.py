@@ -91,6 +91,16 @@ def select(data: DataConfig, skips: SkipCounter, prompt_len: Callable[[Conversat
             logger.warning("source %s: wanted %d training conversations, found %d", name, quotas[name], len(chosen))
         sel.train.extend(chosen)
         sel.heldout.extend(take(held, data.max_heldout))
+    if not sel.heldout:
+        read = sum(v["train"] + v["heldout"] for v in sel.available.values())
+        logger.warning(
+            "the held-out split is empty: %d valid conversations read (%s), data.heldout_fraction=%s puts none of "
+            "them in it. Training runs without held-out checks (best/ = the last checkpoint) and stage eval needs "
+            "other prompts (eval.prompts=<file>); raise data.heldout_fraction or add traffic for a held-out split.",
+            read,
+            ", ".join(f"{n}: {v['train'] + v['heldout']}" for n, v in sel.available.items()),
+            data.heldout_fraction,
+        )
     ids = [(c.source, c.id) for c in sel.train]
     if len(set(ids)) != len(ids):
         dupes = len(ids) - len(set(ids))

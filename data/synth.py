@@ -282,7 +282,15 @@ def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
 
     sel = select(cfg.data, skips, prompt_len=first_prompt_len)
     if not sel.train:
-        raise ConfigError("No training conversations selected: check data.sources and data.num_prompts")
+        per_source = "; ".join(
+            f"{name}: {v['train'] + v['heldout']} valid rows ({v['heldout']} held out), skipped "
+            f"{skips.to_dict().get(name) or 'none'}"
+            for name, v in sel.available.items()
+        )
+        raise ConfigError(
+            f"No training conversations selected ({per_source}). An empty file or one whose rows are all malformed "
+            f"gives none: check data.sources (paths, kind), data.num_prompts and the skip reasons above."
+        )
     ids = [(c.source, c.id) for c in sel.train]
     chunks = [sel.train[i : i + cfg.synth.chunk_size] for i in range(0, len(sel.train), cfg.synth.chunk_size)]
     plan = {

@@ -21,52 +21,66 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import Config, ConfigError, check_overrides, register_configs
+from train.config import Config, ConfigError, check_overrides, check_run_name, register_configs
+from train.manifest import check_same_config
+from train.runlock import run_lock
 
 logger = logging.getLogger("train")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+# Every stage holds its run directory's lock (train/runlock.py) while it writes there: a second writer is
+# refused with the holder's pid and host, so two runs can never mix their outputs.
+
+
 def _stage_synth(cfg: Config, run_dir: Path) -> Any:
     from data.synth import run_synth
 
-    return run_synth(cfg, run_dir)
+    with run_lock(run_dir, "synth", shard=cfg.synth.shard_index):
+        return run_synth(cfg, run_dir)
 
 
 def _stage_merge(cfg: Config, run_dir: Path) -> Any:
     from data.synth import merge
 
-    return merge(cfg, Path(cfg.synth_dir))
+    with run_lock(Path(cfg.synth_dir), "merge"):
+        return merge(cfg, Path(cfg.synth_dir))
 
 
 def _stage_features(cfg: Config, run_dir: Path) -> Any:
     from data.features import run_features
 
-    return run_features(cfg, run_dir)
+    with run_lock(run_dir, "features"):
+        return run_features(cfg, run_dir)
 
 
 def _stage_train(cfg: Config, run_dir: Path) -> Any:
     from train.loop import run_train
 
-    return run_train(cfg, run_dir)
+    with run_lock(run_dir, "train"):
+        return run_train(cfg, run_dir)
 
 
 def _stage_eval(cfg: Config, run_dir: Path) -> Any:
     from eval.run import run_eval
 
-    return run_eval(cfg, run_dir)
+    with run_lock(run_dir, "eval"):
+        check_same_config(run_dir, "eval", cfg)  # never replace results made with another config silently
+        return run_eval(cfg, run_dir)
 
 
 def _stage_export(cfg: Config, run_dir: Path) -> Any:
     from train.export import run_export
 
-    return run_export(cfg, run_dir)
+    with run_lock(run_dir, "export"):
+        return run_export(cfg, run_dir)
 
 
 def _stage_compare(cfg: Config, run_dir: Path) -> Any:
     from train.compare import run_compare
 
-    return run_compare(cfg, run_dir)
+    with run_lock(run_dir, "compare"):
+        return run_compare(cfg, run_dir)
 
 
 def _stage_all(cfg: Config, run_dir: Path) -> Any:
@@ -113,6 +127,10 @@ def preflight(argv: list[str]) -> None:
     overrides = [a for a in argv if not a.startswith("-")]
     check_overrides(overrides, config_groups())
     for ov in overrides:
+        if ov.startswith("run_name="):
+            for name in ov.split("=", 1)[1].split(","):
+                check_run_name(name)
+    for ov in overrides:
         if ov.startswith("stage="):
             for stage in ov.split("=", 1)[1].split(","):  # multirun: stage=synth,eval
                 check_stage(stage)
@@ -136,12 +154,53 @@ def setup_runtime(cfg: Config) -> None:
 register_configs()
 
 
+def debug_mode() -> bool:
+    """``--debug`` or ``HYDRA_FULL_ERROR=1``: user errors show their traceback too."""
+    return os.environ.get("DRAFTSMITH_DEBUG") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+"""Errors that are the user's to fix (a bad value, a missing or corrupt input, a busy run directory): they end
+with ``error: <message>`` and exit status 2, without a traceback (unless ``--debug``)."""
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """The typed config; a required value left unset (``???``) is a user error naming the key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    def missing_keys(node: DictConfig, prefix: str = "") -> list[str]:  # without resolving interpolations
+        out: list[str] = []
+        for key in node:
+            child = node._get_node(key)
+            if OmegaConf.is_missing(node, key):
+                out.append(f"{prefix}{key}")
+            elif isinstance(child, DictConfig):
+                out.extend(missing_keys(child, f"{prefix}{key}."))
+        return out
+
+    missing = sorted(missing_keys(dcfg))
+    if missing:
+        hint = " (target=hf needs target.path=<a Hugging Face directory or hub id>)" if "target.path" in missing else ""
+        raise ConfigError(f"required config value(s) not set: {', '.join(missing)}; add {missing[0]}=...{hint}")
+    try:
+        return OmegaConf.to_object(dcfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        # target=hf names the target after target.path (``name: ${.path}``); a "???" merged onto the schema's
+        # default leaves path None, so the first thing to fail is that interpolation.
+        if getattr(exc, "full_key", "") == "target.name" and dcfg.target._get_node("path")._value() is None:
+            raise ConfigError(
+                "target.path must be set: target=hf needs target.path=<a Hugging Face directory or hub id>"
+            ) from None
+        raise ConfigError(f"cannot resolve the config: {exc}") from None
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(dcfg: DictConfig) -> Any:
     from hydra.core.hydra_config import HydraConfig
 
-    cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     try:
+        cfg = to_config(dcfg)
+        check_run_name(cfg.run_name)
         check_stage(cfg.stage)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         if cfg.launcher != "local":  # launcher=slurm: submit the stage as SLURM job(s) instead of running it here
@@ -151,13 +210,18 @@ def main(dcfg: DictConfig) -> Any:
         setup_runtime(cfg)
         logger.info("stage %s -> %s", cfg.stage, run_dir)
         return STAGES[cfg.stage][0](cfg, run_dir)
-    except ConfigError as exc:  # a bad value found once the config is composed: a message and exit 2, no traceback
+    except USER_ERRORS as exc:  # found once the config is composed: a message and exit 2, no traceback
+        if debug_mode():
+            raise
         logger.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
 
 def cli() -> None:
+    if "--debug" in sys.argv[1:]:
+        sys.argv.remove("--debug")
+        os.environ["DRAFTSMITH_DEBUG"] = "1"
     if "stage=help" in sys.argv[1:]:
         print(stage_help())
         return

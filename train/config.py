@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -328,7 +329,8 @@ DRAFTER_SCHEMAS: dict[str, str] = {
     "standalone": "train.drafters.standalone:StandaloneConfig",
 }
 """Drafter family -> its config dataclass (module:Class), stored in Hydra's ConfigStore as
-``drafter/<name>_schema`` so the YAML in ``conf/drafter/`` is validated against it."""
+``_schemas/drafter/<name>`` (outside the ``drafter`` group, so Hydra never offers it as a drafter choice) so the
+YAML in ``conf/drafter/`` is validated against it (``defaults: [/_schemas/drafter/<name>@_here_]``)."""
 
 
 def drafter_config_class(name: str) -> type:
@@ -345,7 +347,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for name in DRAFTER_SCHEMAS:
-        cs.store(group="drafter", name=f"{name}_schema", node=drafter_config_class(name))
+        cs.store(group="_schemas/drafter", name=name, node=drafter_config_class(name))
 
 
 class ConfigError(ValueError):
@@ -420,6 +422,75 @@ def check_overrides(overrides: list[str], groups: tuple[str, ...], default_draft
                 check_key_path(key.split(".", 1)[1], drafter_config_class(chosen), (), base="drafter")
             continue
         check_key_path(key, Config, groups)
+
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_name(name: str) -> None:
+    """``run_name`` becomes a directory under ``runs_root``: one safe path component, never ``..`` or a path."""
+    if not isinstance(name, str) or not RUN_NAME_RE.match(name) or ".." in name:
+        raise ConfigError(
+            f"run_name={name!r} is not a safe name: use letters, digits, '.', '_' and '-' (starting with a letter "
+            f"or digit, no '..', no '/'); it names the directory runs_root/run_name"
+        )
+
+
+SAFE_TO_CHANGE: tuple[str, ...] = (
+    "stage",
+    "resume",
+    "overwrite",
+    "launcher",
+    "slurm.",
+    "wandb.",
+    "runtime.",
+    "runs",
+    "train.max_steps",
+    "train.stop_after_steps",
+    "train.save_every",
+    "train.eval_every",
+    "train.log_every",
+    "train.keep_checkpoints",
+    "target.device",
+    "target.cache_dir",
+    "export.",
+    "eval.plot",
+)
+"""Config keys (or ``prefix.``) whose change does not change what a run computes: a resumed run continues with
+them changed (recorded in its manifest), and an output made with other values of them is not "another config"."""
+
+
+def flat_config(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config (dataclass or dict) as ``{"a.b.c": value}``."""
+    from dataclasses import asdict
+
+    if is_dataclass(obj) and not isinstance(obj, type):
+        obj = asdict(obj)
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flat_config(v, f"{prefix}{k}."))
+        if not obj and prefix:
+            out[prefix[:-1]] = {}
+        return out
+    out[prefix[:-1]] = obj
+    return out
+
+
+def changed_keys(old: Any, new: Any, only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:
+    """``{key: (old, new)}`` for every config key that differs (restricted to keys under ``only`` if given)."""
+    a, b = flat_config(old), flat_config(new)
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        if only is not None and not any(key == p or key.startswith(p if p.endswith(".") else p + ".") for p in only):
+            continue
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            out[key] = (a.get(key, "<unset>"), b.get(key, "<unset>"))
+    return out
+
+
+def is_safe_change(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE)
 
 
 def resolve_path(path: str) -> str:

@@ -134,6 +134,10 @@ class Trainer:
         self.stop_signal: int | None = None
         self.stop_now = False
         self.tracker: Tracker | None = None
+        self.resumes: list[dict[str, Any]] = []
+        self.resume_changes: dict[str, Any] = {}
+        if cfg.resume:  # cheap, before the target loads: refuse a changed config now
+            self.resume_changes = self._check_resume_config()
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -173,6 +177,7 @@ class Trainer:
                 f"train on data from the same target (run stage=synth with this target)."
             )
         self.synth_manifest = synth_manifest
+        self.heldout_skip = self._heldout_unavailable()
         rows = load_rows(cfg.synth_dir, cfg.train.max_seq_len)
         self.feature_layers = self.spec.feature_layers(cfg.drafter, self.target.model.config)
         self.store = None
@@ -233,6 +238,39 @@ class Trainer:
     def _checkpoints(self) -> list[Path]:
         return sorted(p for p in self.ckpt_root.glob("step-*") if (p / "trainer_state.json").is_file())
 
+    def _heldout_unavailable(self) -> str | None:
+        """Why the held-out checks cannot run (no usable held-out prompt), or None. Training then goes on without
+        them (a warning, not a failure): best/ becomes the last checkpoint."""
+        from eval.heldout import load_heldout
+
+        path = Path(self.cfg.synth_dir) / "heldout.jsonl"
+        try:
+            load_heldout(self.cfg.synth_dir, self.target.tokenizer, 1, self.cfg.data.max_prompt_tokens)
+        except FileNotFoundError:
+            reason = f"{path} does not exist"
+        except (ValueError, KeyError, TypeError, StopIteration) as exc:  # empty, or a corrupt line
+            reason = f"{path}: {type(exc).__name__}: {str(exc)[:200]}"
+        else:
+            return None
+        logger.warning(
+            "held-out checks skipped (%s): training goes on; best/ will be the last checkpoint. "
+            "Raise data.heldout_fraction (or add traffic) and rerun stage=synth to pick best/ on held-out tau.",
+            reason,
+        )
+        return reason
+
+    def _check_resume_config(self) -> dict[str, Any]:
+        """Compare the newest readable checkpoint's saved config with this run's (see train/checkpoints.py)."""
+        from train.checkpoints import compare_resume_config
+
+        for ckpt in reversed(self._checkpoints()):
+            try:
+                saved = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                continue  # corrupt: the resume itself skips it (and says so)
+            return compare_resume_config(saved.get("config"), asdict(self.cfg), ckpt)
+        return {}
+
     def _resume_or_refuse(self) -> None:
         existing = self._checkpoints()
         if not self.cfg.resume:
@@ -248,11 +286,40 @@ class Trainer:
         if not existing:
             logger.warning("resume=true but no checkpoint in %s: starting from step 0", self.ckpt_root)
             return
-        last = existing[-1]
-        self.acc.load_state(str(last / "state"))
-        state = json.loads((last / "trainer_state.json").read_text(encoding="utf-8"))
+        from train.checkpoints import CorruptCheckpointError, verify_checkpoint
+
+        skipped: list[dict[str, str]] = []
+        for last in reversed(existing):  # the newest checkpoint that loads; never one that could run code
+            try:
+                state = verify_checkpoint(last)
+                self.acc.load_state(str(last / "state"))
+            except CorruptCheckpointError as exc:
+                logger.warning("resume: skipping checkpoint %s: %s", last.name, exc)
+                skipped.append({"checkpoint": last.name, "reason": str(exc)})
+                continue
+            break
+        else:
+            raise ConfigError(
+                f"resume=true: no checkpoint in {self.ckpt_root} loads ("
+                + "; ".join(f"{s['checkpoint']}: {s['reason']}" for s in skipped)
+                + "). Start again with overwrite=true."
+            )
         self.step, self.best, self.history = state["step"], state["best"], state.get("history", [])
         self.losses = state.get("losses", [])
+        self.resumes = [
+            *state.get("resumes", []),
+            {"step": self.step, "from": last.name, "changed": self.resume_changes, "skipped": skipped},
+        ]
+        if skipped:
+            names = [s["checkpoint"] for s in skipped]
+            logger.warning("resumed from the older checkpoint %s (skipped %s)", last.name, names)
+            self.acc.wait_for_everyone()
+            if self.acc.is_main_process:  # set the unloadable ones aside (kept for inspection, never resumed)
+                for name in names:
+                    aside = self.ckpt_root / f".{name}.corrupt"
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(self.ckpt_root / name, aside)
+            self.acc.wait_for_everyone()
         logger.info("resumed from %s (step %d)", last, self.step)
 
     # -- one optimizer step ----------------------------------------------------------------------
@@ -391,7 +458,14 @@ class Trainer:
                     self.best = {"tau": tau, "step": self.step, "checkpoint": name}
             atomic_write_json(
                 tmp / "trainer_state.json",
-                {"step": self.step, "best": self.best, "history": self.history, "losses": self.losses},
+                {
+                    "step": self.step,
+                    "best": self.best,
+                    "history": self.history,
+                    "losses": self.losses,
+                    "config": asdict(self.cfg),
+                    "resumes": self.resumes,
+                },
             )
             shutil.rmtree(final_dir, ignore_errors=True)
             os.replace(tmp, final_dir)
@@ -470,16 +544,18 @@ class Trainer:
                         self.run_dir / "stopped.json", {"step": self.step, "signal": self.stop_signal or signal.SIGUSR2}
                     )
                 raise SystemExit(f"stopped by signal {self.stop_signal} at step {self.step}; resume=true continues")
-            evaluate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0
+            evaluate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0 and self.heldout_skip is None
             if self.step % cfg.save_every == 0 or evaluate:
                 self._save(evaluate=evaluate)
         bar.close()
         elapsed = time.perf_counter() - t_start
         done = self.step >= cfg.max_steps
-        need_eval = done and (not self.history or self.history[-1]["step"] != self.step)
+        need_eval = done and self.heldout_skip is None and (not self.history or self.history[-1]["step"] != self.step)
         saved = self._checkpoints()
         if need_eval or not saved or saved[-1].name != f"step-{self.step:06d}":
             self._save(final=done, evaluate=need_eval)
+        elif done and self.acc.is_main_process:  # no held-out check at the end: best/ is the best so far, or the last
+            self._publish_best()
         result = {
             "steps": self.step,
             "steps_this_process": self.step - start_step,
@@ -491,6 +567,7 @@ class Trainer:
             "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
             "supervised_tokens_per_second": round(sup_tokens / max(elapsed, 1e-9), 2),
             "seconds": round(elapsed, 2),
+            "heldout_checks": "ran" if self.heldout_skip is None else f"skipped: {self.heldout_skip}",
         }
         if self.acc.is_main_process:
             write_manifest(
@@ -502,6 +579,7 @@ class Trainer:
                 result=result,
                 history=self.history,
                 losses=self.losses,
+                resumes=self.resumes,
                 files={"best": "best/", "checkpoints": "checkpoints/step-*/"},
             )
             if self.tracker:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import platform
 import subprocess
 import time
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from train.atomic import atomic_write_json
+
+logger = logging.getLogger(__name__)
 
 
 def git_commit() -> str | None:
@@ -51,6 +54,79 @@ def write_manifest(path: Path, stage: str, cfg: Any, **sections: Any) -> dict[st
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """A stage's manifest; a missing or unreadable one is a :class:`ConfigError`-style user error naming it."""
+    from train.config import ConfigError
+
+    if path.parent.is_file():
+        raise ConfigError(f"{path.parent} is a file, not a stage output directory")
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run the stage that writes it first")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"{path} is corrupt (not valid JSON: {exc}); rerun the stage that writes it (overwrite=true)"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{path} is corrupt (not a JSON object); rerun the stage that writes it (overwrite=true)")
+    return manifest
+
+
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "eval": (
+        "seed",
+        "synth_dir",
+        "train_dir",
+        "target.path",
+        "target.gguf_file",
+        "target.dtype",
+        "target.trust_remote_code",
+        "eval",
+    ),
+}
+"""Per stage: the config keys (or key prefixes) its output depends on. Others (e.g. ``train.*`` for eval, whose
+drafter comes from ``train_dir``) may differ between the run that wrote an output and the one that replaces it."""
+
+_PATH_KEYS = ("synth_dir", "train_dir", "eval.drafter_dir", "eval.continuations_dir")
+
+
+def check_same_config(run_dir: Path, stage: str, cfg: Any) -> None:
+    """Refuse (``ConfigError``) to replace ``run_dir``'s output when it was made with another config, unless
+    ``cfg.overwrite``; the message names the keys that differ."""
+    import os
+
+    from train.config import ConfigError, changed_keys, is_safe_change
+
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        return
+    try:
+        old = read_manifest(path).get("config", {})
+    except ConfigError:
+        if cfg.overwrite:
+            return
+        raise
+    new = config_dict(cfg)
+    only = STAGE_INPUTS.get(stage)
+    if stage == "eval" and getattr(getattr(cfg, "eval", None), "prompts", None) == "data":
+        only = (*(only or ()), "data")
+    for d in (old, new):  # the same directory spelt relative or absolute is the same input
+        for key in _PATH_KEYS:
+            head, _, tail = key.partition(".")
+            holder = d.get(head) if tail else d
+            leaf = tail or head
+            if isinstance(holder, dict) and isinstance(holder.get(leaf), str):
+                holder[leaf] = os.path.abspath(holder[leaf])
+    diff = {k: v for k, v in changed_keys(old, new, only).items() if not is_safe_change(k)}
+    if not diff:
+        return
+    if cfg.overwrite:
+        logger.warning(
+            "overwrite=true: replacing %s output in %s made with another config (%s)", stage, run_dir, ", ".join(diff)
+        )
+        return
+    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:8])
+    raise ConfigError(
+        f"{run_dir} holds {stage} output made with another config ({shown}). Add overwrite=true to replace it, "
+        f"or write elsewhere (another run_name or hydra.run.dir)."
+    )

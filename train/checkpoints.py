@@ -1,0 +1,127 @@
+"""Checkpoint safety for ``resume=true``: nothing that could carry code is unpickled, a corrupt checkpoint is
+skipped for the newest one that loads, and a changed config is continued only when the change is safe.
+
+accelerate and DeepSpeed load some state files with ``torch.load(weights_only=False)`` (accelerate's
+``custom_checkpoint_*.pkl``, DeepSpeed's engine files). Before any of that runs, every non-safetensors file of a
+checkpoint is opened with ``torch.load(weights_only=True)`` (tensors, containers, numbers, and the few plain
+types the RNG state needs). A pickle that passes that loader can only rebuild those allow-listed types, so the
+later full load executes no other code; one that does not pass is refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+from train.config import ConfigError, changed_keys, is_safe_change
+
+logger = logging.getLogger(__name__)
+
+
+class UnsafeCheckpointError(ConfigError):
+    """A checkpoint file holds a pickle that would construct arbitrary objects (it could run code)."""
+
+
+class CorruptCheckpointError(Exception):
+    """A checkpoint file is missing, truncated or unreadable; the message names it and the cause."""
+
+
+def _safe_globals() -> list[Any]:
+    out: list[Any] = []
+    try:
+        from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+        out.extend(TORCH_SAFE_GLOBALS)
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        pass
+    try:  # DeepSpeed's ZeRO optimizer state records its stage as an IntEnum
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        out.append(ZeroStageEnum)
+    except ImportError:  # pragma: no cover
+        pass
+    return out
+
+
+def check_state_file(path: Path) -> None:
+    """Open one torch/pickle state file with ``weights_only=True``; raise if it is unsafe or corrupt."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+            first = str(exc).strip().splitlines()
+            cause = next((line for line in first if "GLOBAL" in line or "global" in line), first[0] if first else "")
+            raise UnsafeCheckpointError(
+                f"refusing to load {path}: it holds pickled objects other than tensors and plain values, which "
+                f"could run code when loaded ({cause.strip()[:200]}). Delete that file (or the checkpoint) if you "
+                f"did not put it there."
+            ) from None
+        raise CorruptCheckpointError(f"{path}: unreadable ({exc})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path}: truncated or corrupt ({str(exc).splitlines()[0][:200]})") from None
+
+
+def check_safetensors(path: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                fh.get_slice(key)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise CorruptCheckpointError(f"{path}: truncated or corrupt safetensors ({exc})") from None
+    if path.stat().st_size < 8:
+        raise CorruptCheckpointError(f"{path}: truncated (empty file)")
+
+
+def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
+    """Check every file of ``ckpt`` (``state/``, ``drafter/``, ``trainer_state.json``); return the trainer state.
+
+    Raises :class:`UnsafeCheckpointError` (refuse outright) or :class:`CorruptCheckpointError` (try an older one).
+    """
+    state_file = ckpt / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{state_file}: unreadable ({exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CorruptCheckpointError(f"{state_file}: no step recorded")
+    state_dir = ckpt / "state"
+    if not state_dir.is_dir() or not any(state_dir.iterdir()):
+        raise CorruptCheckpointError(f"{state_dir}: missing or empty")
+    for f in sorted(p for p in state_dir.rglob("*") if p.is_file()):
+        if f.suffix == ".safetensors":
+            check_safetensors(f)
+        elif f.suffix not in (".json", ".txt") and f.name != "latest":
+            check_state_file(f)
+    for f in sorted((ckpt / "drafter").glob("*.safetensors")):
+        check_safetensors(f)
+    return state
+
+
+def compare_resume_config(saved: dict[str, Any] | None, requested: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The safe changes ``{key: [old, new]}`` between the run's saved config and the requested one; raises
+    :class:`ConfigError` naming the other changed keys (they would make the resumed run another run)."""
+    if saved is None:
+        logger.warning("%s records no config (an older checkpoint): cannot check the resumed config", where)
+        return {}
+    diff = changed_keys(saved, requested)
+    unsafe = {k: v for k, v in diff.items() if not is_safe_change(k)}
+    if unsafe:
+        shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(unsafe.items())[:10])
+        raise ConfigError(
+            f"resume=true with a changed config: {shown}. The run in {where.parent.parent} was made with the old "
+            f"values; resuming with these would train a different run. Resume with the old values, or start a new "
+            f"run (another run_name, or overwrite=true). Keys that may change on resume: max_steps, "
+            f"stop_after_steps, save_every, eval_every, log_every, keep_checkpoints, wandb.*, runtime.*, slurm.*."
+        )
+    safe = {k: [a, b] for k, (a, b) in diff.items() if k not in ("resume", "overwrite", "stage", "target.device")}
+    if safe:
+        logger.warning("resume=true with changed settings (safe to change; recorded in the manifest): %s", safe)
+    return safe
