@@ -89,10 +89,10 @@ MODES = ("replay", "decode", "both")
 
 def _decode_budget(e: Any) -> tuple[int, int]:
     """(prompts per source, new tokens) of the decoded sample: the whole sample in mode decode, else the
-    smaller ``decode_prompts`` x ``decode_max_new_tokens`` one."""
+    smaller ``decode_prompts`` x ``decode_max_new_tokens`` one (never more than the replayed sample)."""
     if e.mode == "decode":
         return e.num_prompts, e.max_new_tokens
-    return e.decode_prompts, e.decode_max_new_tokens
+    return min(e.decode_prompts, e.num_prompts), min(e.decode_max_new_tokens, e.max_new_tokens)
 
 
 def _ours(target: Target, proposer: Any, cfg: Config) -> GenerateFn:

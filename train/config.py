@@ -182,9 +182,10 @@ class EvalConfig:
     max_new_tokens: int = 256
     """New tokens per prompt (replay; decode too when mode=decode)."""
     decode_prompts: int = 4
-    """mode=both: prompts per source that are also decoded for speed and the lossless check."""
+    """mode=both: prompts per source that are also decoded for speed and the lossless check (at most
+    num_prompts: the first ones of the replayed sample)."""
     decode_max_new_tokens: int = 64
-    """mode=both: new tokens per decoded prompt."""
+    """mode=both: new tokens per decoded prompt (at most max_new_tokens)."""
     continuations_dir: str | None = None
     """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
     run dir's replay/)."""
