@@ -222,6 +222,7 @@ def cli() -> None:
     if "--debug" in sys.argv[1:]:
         sys.argv.remove("--debug")
         os.environ["DRAFTSMITH_DEBUG"] = "1"
+        os.environ["HYDRA_FULL_ERROR"] = "1"
     if "stage=help" in sys.argv[1:]:
         print(stage_help())
         return

@@ -1,0 +1,281 @@
+"""Nothing lost, nothing mixed, no tracebacks for user errors (issue 12): run locks with real processes, honest
+resume (changed config, corrupt and planted checkpoint files), an empty held-out split, eval's refusal to
+replace another config's output, and user errors that exit 2 with a one-line message."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SMALL_SYNTH, compose
+from tests.test_train.runs import run_train
+
+TRAIN = [
+    "stage=train",
+    *SMALL_SYNTH,
+    "train.features=online",
+    "train.micro_batch_size=2",
+    "train.lr=1e-3",
+    "train.warmup_steps=1",
+    "train.save_every=2",
+    "train.eval_every=0",
+    "train.eval_prompts=1",
+    "train.eval_max_new_tokens=6",
+    "train.log_every=1",
+    "deepspeed=none",
+    "wandb.mode=disabled",
+]
+
+
+def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _user_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert "error: " in res.stderr and "Traceback" not in out, out[-3000:]
+    for n in needles:
+        assert n in out, (n, out[-3000:])
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not path.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"{path} never appeared (process exit {proc.poll()})"
+
+
+# -- 2. one writer per run directory ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_second_writer_is_refused_and_a_killed_runs_lock_is_taken_over(
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+) -> None:
+    run = tmp_path / "train"
+    base = [*TRAIN, f"synth_dir={synth_dir}", f"hydra.run.dir={run}"]
+    first = run_train([*base, "train.max_steps=100000"], run_env)
+    try:
+        _wait_for(run / "checkpoints" / "step-000002" / "trainer_state.json", first)
+        holder = json.loads((run / ".lock").read_text())
+        assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
+        # overwrite=true while the first run is still training: refused, naming the holder, nothing touched
+        second = _run([*base, "train.max_steps=2", "overwrite=true"], run_env)
+        _user_error(second, f"pid {first.pid}", f"host {socket.gethostname()}", "is in use by")
+        assert first.poll() is None and list((run / "checkpoints").glob("step-*"))
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert (run / ".lock").exists()  # SIGKILL: the lock stays behind, and is detected as stale
+    third = _run([*base, "train.max_steps=2", "overwrite=true"], run_env)
+    assert third.returncode == 0, (third.stdout + third.stderr)[-3000:]
+    assert "stale lock" in third.stdout + third.stderr
+    assert not (run / ".lock").exists()  # released at the end of the stage
+    assert json.loads((run / "manifest.json").read_text())["result"]["steps"] == 2
+
+
+def test_synth_refused_while_another_process_holds_the_directory(tmp_path: Path, run_env: dict[str, str]) -> None:
+    """A second synth (e.g. overwrite=true, or the same command twice) into a directory another live process
+    writes is refused before it loads the target; so is a shard task while an unsharded synth runs."""
+    out = tmp_path / "synth"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from train.runlock import RunLock; RunLock(sys.argv[1], 'synth').acquire(); "
+            "print('locked', flush=True); time.sleep(120)",
+            str(out),
+        ],
+        cwd=REPO,
+        env=run_env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        t0 = time.perf_counter()
+        res = _run(["stage=synth", *SMALL_SYNTH, f"hydra.run.dir={out}", "overwrite=true"], run_env)
+        _user_error(res, f"pid {holder.pid}", "is in use by")
+        shard = _run(
+            ["stage=synth", *SMALL_SYNTH, f"hydra.run.dir={out}", "synth.num_shards=2", "synth.shard_index=1"], run_env
+        )
+        _user_error(shard, f"pid {holder.pid}")
+        assert time.perf_counter() - t0 < 60  # refused at start-up, not after loading the target
+        assert not (out / "data").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_unit_behaviour(tmp_path: Path) -> None:
+    from train.runlock import RunLock, RunLockedError
+
+    a = RunLock(tmp_path, "synth")
+    a.acquire()
+    with pytest.raises(RunLockedError, match=f"pid {os.getpid()}"):
+        RunLock(tmp_path, "synth").acquire()
+    a.release()
+    assert not (tmp_path / ".lock").exists()
+    # a dead process's lock on this host is stale; another host's lock is never judged stale here
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / ".lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "time": 0}))
+    with RunLock(tmp_path, "synth"):
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    (tmp_path / ".lock").write_text(json.dumps({"pid": pid, "host": "some-other-node", "time": 0}))
+    with pytest.raises(RunLockedError, match="some-other-node"):
+        RunLock(tmp_path, "synth").acquire()
+
+
+# -- 3, 6, 7. honest resume --------------------------------------------------------------------------------------
+
+
+class _Planted:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoints(
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+) -> None:
+    run = tmp_path / "train"
+    base = [*TRAIN, f"synth_dir={synth_dir}", f"hydra.run.dir={run}"]
+    res = _run([*base, "train.max_steps=4"], run_env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    ckpts = run / "checkpoints"
+    assert (ckpts / "step-000002").is_dir() and (ckpts / "step-000004").is_dir()
+
+    # 3. a changed learning rate is not silently ignored: refused, naming the key, before the target loads
+    res = _run([*base, "train.max_steps=6", "resume=true", "train.lr=5e-2"], run_env)
+    _user_error(res, "train.lr", "0.001 -> 0.05")
+    assert "Target smollm2-135m loaded" not in res.stdout + res.stderr
+
+    # 6. a planted pickle in the checkpoint would run code under accelerate's weights_only=False: refused
+    marker = tmp_path / "pwned"
+    pkl = ckpts / "step-000004" / "state" / "custom_checkpoint_0.pkl"
+    original = pkl.read_bytes()
+    pkl.write_bytes(pickle.dumps(_Planted(str(marker))))
+    res = _run([*base, "train.max_steps=6", "resume=true"], run_env)
+    _user_error(res, "refusing to load", "custom_checkpoint_0.pkl")
+    assert not marker.exists()
+    pkl.write_bytes(original)
+
+    # 7. a truncated optimizer state in the newest checkpoint: the older one is resumed, saying which and why
+    opt = ckpts / "step-000004" / "state" / "optimizer.bin"
+    opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+    res = _run([*base, "train.max_steps=5", "resume=true", "train.save_every=1"], run_env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "skipping checkpoint step-000004" in out and "optimizer.bin" in out and "truncated" in out
+    assert "resumed from the older checkpoint step-000002" in out
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["result"]["steps"] == 5
+    (resume,) = manifest["resumes"]
+    assert resume["from"] == "step-000002" and resume["skipped"][0]["checkpoint"] == "step-000004"
+    assert resume["changed"] == {"train.max_steps": [4, 5], "train.save_every": [2, 1]}  # safe keys, recorded
+    assert (ckpts / "step-000005").is_dir() and (run / "best" / "model.safetensors").is_file()
+
+
+# -- 1. an empty held-out split ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_empty_heldout_split_trains_without_checks_and_leaves_best_and_manifest(
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+) -> None:
+    synth = tmp_path / "synth"
+    shutil.copytree(synth_dir, synth, ignore=shutil.ignore_patterns(".lock", "replay"))
+    (synth / "heldout.jsonl").write_text("")
+    run = tmp_path / "train"
+    res = _run(
+        [*TRAIN, f"synth_dir={synth}", f"hydra.run.dir={run}", "train.max_steps=2", "train.eval_every=1"], run_env
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "held-out checks skipped" in out
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["result"]["finished"] and manifest["result"]["heldout_checks"].startswith("skipped")
+    assert manifest["result"]["best"]["tau"] is None
+    assert (run / "best" / "model.safetensors").is_file() and (run / "checkpoints" / "step-000002").is_dir()
+    assert not list((run / "checkpoints").glob(".*.tmp"))
+
+
+def test_empty_heldout_split_is_reported_at_selection(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from data.sources import SkipCounter
+    from data.split import select
+
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text("".join(json.dumps({"id": i, "prompt": f"question {i}"}) + "\n" for i in range(5)))
+    cfg = compose(["data=jsonl", f"data.sources.mine.paths=[{traffic}]", "data.heldout_fraction=0.0"])
+    with caplog.at_level("WARNING"):
+        sel = select(cfg.data, SkipCounter())
+    assert len(sel.train) == 5 and not sel.heldout
+    assert "held-out split is empty: 5 valid conversations read (mine: 5)" in caplog.text
+
+
+# -- 4. every stage refuses to replace another config's output -----------------------------------------------------
+
+
+def test_eval_refuses_to_replace_results_of_another_config(tmp_path: Path, run_env: dict[str, str]) -> None:
+    from train.config import ConfigError
+    from train.manifest import check_same_config, write_manifest
+
+    out = tmp_path / "eval"
+    args = ["stage=eval", *SMALL_SYNTH, f"synth_dir={tmp_path / 'synth'}", f"train_dir={tmp_path / 'train'}"]
+    write_manifest(out / "manifest.json", "eval", compose([*args, "eval.max_new_tokens=16"]))
+    (out / "metrics.json").write_text("{}")
+    res = _run([*args, f"hydra.run.dir={out}", "eval.max_new_tokens=32"], run_env)
+    _user_error(res, "eval.max_new_tokens: 16 -> 32", "overwrite=true")
+    assert (out / "metrics.json").read_text() == "{}"
+    check_same_config(out, "eval", compose([*args, "eval.max_new_tokens=16", "wandb.mode=disabled"]))  # same: fine
+    check_same_config(out, "eval", compose([*args, "eval.max_new_tokens=32", "overwrite=true"]))  # told to: fine
+    with pytest.raises(ConfigError, match=r"eval\.k"):
+        check_same_config(out, "eval", compose([*args, "eval.max_new_tokens=16", "eval.k=2"]))
+
+
+# -- 8, 9. user errors: exit 2, one line, before the target loads ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["stage=synth", "target=hf"], "target.path must be set"),
+        (["stage=synth", "run_name=../../x"], "run_name='../../x' is not a safe name"),
+        (["stage=train", "synth_dir=/nonexistent/synth"], "/nonexistent/synth/manifest.json not found"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(
+    tmp_path: Path, run_env: dict[str, str], args: list[str], needle: str
+) -> None:
+    res = _run([*args, f"hydra.run.dir={tmp_path / 'out'}", "wandb.mode=disabled"], run_env, timeout=120)
+    _user_error(res, needle)
+
+
+def test_debug_flag_shows_the_traceback(tmp_path: Path, run_env: dict[str, str]) -> None:
+    res = _run(["--debug", "stage=synth", "target=hf", f"hydra.run.dir={tmp_path}"], run_env, timeout=120)
+    assert res.returncode != 0 and "Traceback" in res.stderr and "target.path must be set" in res.stderr
+
+
+def test_schema_entries_are_not_drafter_choices(run_env: dict[str, str], tmp_path: Path) -> None:
+    res = _run(["stage=train", "drafter=eagle_schema", f"hydra.run.dir={tmp_path}"], run_env, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "Could not find 'drafter/eagle_schema'" in out
+    options = out.split("Available options in 'drafter':", 1)[1].split("Config search path", 1)[0].split()
+    assert options == ["eagle", "eagle3", "medusa", "standalone"]
