@@ -138,3 +138,88 @@ def test_eval_from_data_sources_without_synth(tmp_path: Path, run_env: dict[str,
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_prompts"] == 2 and set(metrics["metrics"]["prompt_lookup_k5"]) == {"mine", "all"}
     assert metrics["metrics"]["prompt_lookup_k5"]["all"]["identical_to_plain"] == 1.0
+
+
+def test_any_traffic_file_is_the_judge_in_replay_mode(tmp_path: Path, run_env: dict[str, str]) -> None:
+    """eval.prompts=<glob>: every row of the user's traffic files is judged (no held-out split), grouped by its
+    source/domain field; bad rows are skipped and counted; replay mode decodes nothing."""
+    rows = [
+        {"id": f"s{i}", "domain": "sql", "prompt": f"Write a SQL query that counts rows in table t{i}."}
+        for i in range(3)
+    ]
+    rows += [
+        {"messages": [{"role": "user", "content": f"Return JSON with key k{i} set to {i}."}], "source": "json"}
+        for i in range(2)
+    ]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "Say hello."}) + "\n")
+    out = tmp_path / "eval"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            "stage=eval",
+            f"eval.prompts={tmp_path}/*.jsonl",
+            "eval.mode=replay",
+            "eval.max_new_tokens=12",
+            "eval.proposers=[prompt_lookup]",
+            f"synth_dir={tmp_path / 'none'}",
+            f"hydra.run.dir={out}",
+            "wandb.mode=disabled",
+        ],
+        cwd=REPO,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    per = metrics["metrics"]["prompt_lookup_k5"]
+    assert set(per) == {"sql", "json", "b", "all"} and "plain" not in metrics["metrics"]  # nothing decoded
+    assert [per[s]["prompts"] for s in ("sql", "json", "b", "all")] == [3, 2, 1, 6]
+    assert per["all"]["tau_from"] == "replay" and per["all"]["tau"] >= 1.0
+    assert per["all"]["tau_ci"][0] <= per["all"]["tau"] <= per["all"]["tau_ci"][1]
+    assert (out / "replay" / "continuations.jsonl").is_file()
+    assert "bad_json" in res.stderr + res.stdout  # the broken row is skipped and counted
+
+
+def test_sampling_reports_expected_tau_next_to_decoded(tmp_path: Path, run_env: dict[str, str]) -> None:
+    """eval.temperature>0 (decode mode): the sampled chain's expected tau along plain decoding's sampled paths is
+    reported beside the decoded tau; replay modes refuse sampling with a clear error."""
+    (tmp_path / "t.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": f"Count from {i} to {i + 9}, comma separated."}) for i in range(2)) + "\n"
+    )
+    common = [
+        sys.executable,
+        "-m",
+        "train",
+        "stage=eval",
+        f"eval.prompts={tmp_path / 't.jsonl'}",
+        "eval.temperature=0.8",
+        "eval.max_new_tokens=16",
+        "eval.k=3",
+        "eval.decode=chain",
+        "eval.proposers=[draft_model]",
+        "eval.draft_model=target_layers:6",
+        f"synth_dir={tmp_path / 'none'}",
+        "wandb.mode=disabled",
+    ]
+    refused = subprocess.run(
+        [*common, f"hydra.run.dir={tmp_path / 'refused'}"], cwd=REPO, env=run_env, capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "eval.mode=decode" in refused.stderr + refused.stdout
+    out = tmp_path / "eval"
+    res = subprocess.run(
+        [*common, "eval.mode=decode", f"hydra.run.dir={out}"],
+        cwd=REPO,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())["metrics"]["draft_model_chain_k3"]["all"]
+    assert m["tau_from"] == "decode" and 1.0 <= m["expected_tau"] <= 4.0 and len(m["expected_alpha"]) == 3
+    assert "(expected " in (out / "table.md").read_text()
