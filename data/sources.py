@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import json
 import logging
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -197,37 +198,109 @@ def read_humaneval(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCo
             yield Conversation(id=str(rec.get("task_id", n)), source=name, messages=msgs)
 
 
+class DataError(ConfigError):
+    """An input file cannot be read at all (not the format its name says, truncated): named, with a hint."""
+
+
+MAX_ROW_WARNINGS = 3
+"""Per file, the first few skipped rows are logged with their file name and line number (all are counted)."""
+
+
+def _warn_row(path: Path, line: int, reason: str, detail: str, shown: Counter[str]) -> None:
+    shown[reason] += 1
+    if shown[reason] <= MAX_ROW_WARNINGS:
+        more = " (further rows of this kind are only counted)" if shown[reason] == MAX_ROW_WARNINGS else ""
+        logger.warning("%s:%d: row skipped (%s: %s)%s", path, line, reason, detail, more)
+
+
 def _records_from_file(path: Path) -> Iterator[Any]:
+    """Rows of one JSONL (optionally .gz) or Parquet file; a malformed row yields a :class:`Skip` (its file and
+    line are logged), a file that cannot be read at all raises :class:`DataError` naming it."""
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        yield from pq.read_table(path).to_pylist()
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(
+                f"{path}: not a readable Parquet file ({str(exc).splitlines()[0][:200]}). Hint: check the file is "
+                f"complete and really Parquet (JSONL files need a .jsonl or .jsonl.gz name)."
+            ) from None
+        yield from table.to_pylist()
         return
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                yield Skip("blank_line")
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                yield Skip("bad_json")
+    shown: Counter[str] = Counter()
+    rows = 0
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                rows += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    bad = raw[exc.start : exc.start + 1]
+                    _warn_row(path, lineno, "bad_utf8", f"byte {bad!r} at byte offset {exc.start}", shown)
+                    yield Skip("bad_utf8")
+                    continue
+                if not line.strip():
+                    yield Skip("blank_line")
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    _warn_row(path, lineno, "bad_json", f"{exc.msg} at column {exc.colno}", shown)
+                    yield Skip("bad_json")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise DataError(
+            f"{path}: not a readable gzip file ({exc}). Hint: check the file is complete and really gzip-compressed "
+            f"(plain JSONL needs a .jsonl name, not .gz)."
+        ) from None
+    if rows == 0:
+        logger.warning("%s is empty (0 rows)", path)
 
 
-def read_jsonl(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounter) -> Iterator[Conversation]:
+def source_files(name: str, cfg: SourceConfig) -> list[Path]:
+    """The files of a jsonl source (globs expanded, sorted); cheap, so it runs before the target loads.
+
+    A missing file or a directory given by name is an error; a directory matched by a glob is skipped.
+    """
     if not cfg.paths:
         raise ConfigError(f"data.sources.{name}.paths is empty: list your JSONL/Parquet files")
     files: list[Path] = []
     for pattern in cfg.paths:
         p = Path(resolve_path(pattern))
-        matches = sorted(p.parent.glob(p.name)) if any(c in p.name for c in "*?[") else [p]
-        for m in matches:
-            if not m.is_file():
-                raise ConfigError(f"data.sources.{name}.paths: {m} does not exist")
-        files.extend(matches)
+        if any(c in p.name for c in "*?["):
+            matches = sorted(p.parent.glob(p.name))
+            dirs = [m for m in matches if m.is_dir()]
+            if dirs:
+                logger.warning("data.sources.%s.paths: %s matches directories, skipped: %s", name, pattern, dirs[:5])
+            files.extend(m for m in matches if m.is_file())
+        elif p.is_dir():
+            raise ConfigError(
+                f"data.sources.{name}.paths: {p} is a directory, not a file (give its files, e.g. {p}/*.jsonl)"
+            )
+        elif not p.is_file():
+            raise ConfigError(f"data.sources.{name}.paths: {p} does not exist")
+        else:
+            files.append(p)
     if not files:
         raise ConfigError(f"data.sources.{name}.paths={cfg.paths} matched no files")
+    return files
+
+
+def check_sources(data: DataConfig) -> None:
+    """The cheap checks of the configured sources (kinds, files), before any model loads."""
+    for name, src in data.sources.items():
+        if src.kind not in READERS:
+            raise ConfigError(
+                f"data.sources.{name}.kind={src.kind!r} is not a known source kind; valid: {', '.join(READERS)}"
+            )
+        if src.kind == "jsonl":
+            source_files(name, src)
+
+
+def read_jsonl(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounter) -> Iterator[Conversation]:
+    files = source_files(name, cfg)
     n = 0
     for f in files:
         for rec in _records_from_file(f):

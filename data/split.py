@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from data.sources import Conversation, SkipCounter, read_source
+from data.sources import Conversation, SkipCounter, check_sources, read_source
 from train.config import ConfigError, DataConfig
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,16 @@ class Selection:
     heldout: list[Conversation] = field(default_factory=list)
     available: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per source: valid training and held-out conversations available before the quota."""
+
+
+def check_data(data: DataConfig) -> None:
+    """The cheap checks of ``data.*`` (values, source kinds, files exist), run before any model loads."""
+    if not 0.0 <= data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction={data.heldout_fraction} must be in [0, 1)")
+    if data.num_prompts is not None and data.num_prompts < 1:
+        raise ConfigError(f"data.num_prompts={data.num_prompts} must be >= 1 (or null: every conversation)")
+    source_quotas(data)
+    check_sources(data)
 
 
 def select(data: DataConfig, skips: SkipCounter, prompt_len: Callable[[Conversation], int] | None = None) -> Selection:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
-from data.split import select
+from data.split import check_data, select
 from data.target import Target, load_target, require_chat_template
 from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from train.config import Config, ConfigError, SynthConfig
@@ -270,6 +270,7 @@ def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
     Returns the merged manifest, or None when other shards still have work left.
     """
     validate_synth(cfg.synth)
+    check_data(cfg.data)  # paths and values fail here, before the target loads
     t_start = time.perf_counter()
     target = load_target(cfg.target)
     tok = target.tokenizer

@@ -1,0 +1,104 @@
+"""Bad input files (issue 12): a bad byte skips one row (counted, with file and line), a fake .parquet or .gz is
+named with a one-line cause, a directory is called a directory, an empty or all-bad file says why nothing was
+selected, and path errors surface before the target loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data.sources import DataError, SkipCounter, read_source
+from tests.conftest import REPO, compose
+from train.config import ConfigError, DataConfig, SourceConfig
+
+GOOD = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}
+
+
+def _read(path: str, skips: SkipCounter | None = None) -> list:
+    return list(read_source("mine", SourceConfig(kind="jsonl", paths=[path]), DataConfig(), skips or SkipCounter()))
+
+
+def test_bad_utf8_byte_skips_only_its_row_and_names_file_and_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = tmp_path / "t.jsonl"
+    rows = [json.dumps({**GOOD, "id": i}).encode() for i in range(4)]
+    rows[2] = rows[2].replace(b"colour", b"col\xffour")
+    f.write_bytes(b"\n".join(rows) + b"\n")
+    skips = SkipCounter()
+    with caplog.at_level("WARNING"):
+        convs = _read(str(f), skips)
+    assert [c.id for c in convs] == ["0", "1", "3"]
+    assert skips.to_dict() == {"mine": {"bad_utf8": 1}}
+    assert f"{f}:3: row skipped (bad_utf8" in caplog.text
+
+
+def test_bad_json_lines_name_file_and_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n{not json\n")
+    with caplog.at_level("WARNING"):
+        assert len(_read(str(f))) == 1
+    assert f"{f}:2: row skipped (bad_json" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["fake.parquet", "fake.jsonl.gz"])
+def test_fake_parquet_or_gzip_is_named_with_a_cause(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    f.write_text(json.dumps(GOOD) + "\n")
+    with pytest.raises(DataError) as err:
+        _read(str(f))
+    msg = str(err.value)
+    assert msg.startswith(f"{f}: not a readable") and "Hint:" in msg and "\n" not in msg
+
+
+def test_directory_is_called_a_directory_and_globs_skip_directories(tmp_path: Path) -> None:
+    (tmp_path / "sub.jsonl").mkdir()
+    (tmp_path / "a.jsonl").write_text(json.dumps(GOOD) + "\n")
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        _read(str(tmp_path / "sub.jsonl"))
+    assert len(_read(str(tmp_path / "*.jsonl"))) == 1  # the matching directory is skipped, not fatal
+
+
+def _synth(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "train", "stage=synth", f"hydra.run.dir={tmp_path / 'out'}", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_missing_file_fails_before_the_target_loads(tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    res = _synth(["data=jsonl", f"data.sources.mine.paths=[{tmp_path}/nope.jsonl]"], tmp_path)
+    assert res.returncode == 2 and "nope.jsonl does not exist" in res.stderr and "Traceback" not in res.stderr
+    assert "loaded from" not in res.stdout + res.stderr and time.perf_counter() - t0 < 60
+
+
+@pytest.mark.slow
+def test_empty_or_all_bad_traffic_says_why_nothing_was_selected(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"{oops\n\xff\xfe\n")
+    res = _synth(["data=jsonl", f"data.sources.mine.paths=[{empty},{bad}]"], tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert f"{empty} is empty (0 rows)" in out
+    assert "No training conversations selected (mine: 0 valid rows" in out
+    assert "'bad_json': 1" in out and "'bad_utf8': 1" in out
+
+
+def test_check_data_rejects_bad_values_cheaply(tmp_path: Path) -> None:
+    from data.split import check_data
+
+    with pytest.raises(ConfigError, match="heldout_fraction"):
+        check_data(compose(["data.heldout_fraction=1.5"]).data)
+    with pytest.raises(ConfigError, match="kind='csv'"):
+        check_data(compose(["data=jsonl", "data.sources.mine.paths=[x]", "data.sources.mine.kind=csv"]).data)
