@@ -21,6 +21,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from train.checkpoints import check_drafter_dir
 from train.config import Config, ConfigError, check_overrides, check_run_name, register_configs
 from train.manifest import check_same_config
 from train.runlock import run_lock
@@ -66,6 +67,8 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
 
     with run_lock(run_dir, "eval"):
         check_same_config(run_dir, "eval", cfg)  # never replace results made with another config silently
+        if "drafter" in cfg.eval.proposers:  # a missing or corrupt drafter fails before the target loads
+            check_drafter_dir(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", "eval.drafter_dir")
         return run_eval(cfg, run_dir)
 
 
@@ -73,6 +76,8 @@ def _stage_export(cfg: Config, run_dir: Path) -> Any:
     from train.export import run_export
 
     with run_lock(run_dir, "export"):
+        if cfg.export.format is not None:  # without a format the stage lists the valid pairs
+            check_drafter_dir(cfg.export.drafter_dir or f"{cfg.train_dir}/best", "export.drafter_dir")
         return run_export(cfg, run_dir)
 
 

@@ -125,3 +125,31 @@ def compare_resume_config(saved: dict[str, Any] | None, requested: dict[str, Any
     if safe:
         logger.warning("resume=true with changed settings (safe to change; recorded in the manifest): %s", safe)
     return safe
+
+
+def check_drafter_dir(directory: str | Path, key: str) -> None:
+    """A saved drafter directory is present and readable (config.json, intact safetensors): cheap, so the eval
+    and export stages run it before the target loads. Raises :class:`ConfigError` naming the file and the fix."""
+    path = Path(directory)
+    conf = path / "config.json"
+    if not path.is_dir():
+        raise ConfigError(f"no drafter in {path} (directory missing): run stage=train for this run_name, or set {key}")
+    try:
+        meta = json.loads(conf.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"no drafter in {path} (no config.json): run stage=train first, or set {key}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{conf} is corrupt ({exc}); retrain, or set {key} to another checkpoint") from None
+    if not isinstance(meta, dict) or not meta.get("draftsmith", {}).get("drafter"):
+        raise ConfigError(f"{conf} does not say which drafter family it holds (draftsmith.drafter)")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ConfigError(f"no weights (*.safetensors) in {path}: retrain, or set {key} to another checkpoint")
+    for f in weights:
+        try:
+            check_safetensors(f)
+        except CorruptCheckpointError as exc:
+            raise ConfigError(
+                f"{exc}. Hint: copy it again, or point {key} at another checkpoint (runs/<run>/train/checkpoints/"
+                f"step-*/drafter)"
+            ) from None

@@ -279,3 +279,31 @@ def test_schema_entries_are_not_drafter_choices(run_env: dict[str, str], tmp_pat
     assert res.returncode != 0 and "Could not find 'drafter/eagle_schema'" in out
     options = out.split("Available options in 'drafter':", 1)[1].split("Config search path", 1)[0].split()
     assert options == ["eagle", "eagle3", "medusa", "standalone"]
+
+
+# -- 7. corrupt or missing inputs are named, with a hint, before the target loads ---------------------------------
+
+
+def test_corrupt_or_missing_inputs_are_named(tmp_path: Path, run_env: dict[str, str]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    synth = tmp_path / "synth"
+    synth.mkdir()
+    (synth / "manifest.json").write_text('{"stage": "synth", "conf')  # truncated JSON
+    res = _run(["stage=train", f"synth_dir={synth}", f"hydra.run.dir={tmp_path / 'train'}"], run_env, timeout=120)
+    _user_error(res, f"{synth / 'manifest.json'} is corrupt (not valid JSON")
+
+    ev = ["stage=eval", f"synth_dir={synth}", f"hydra.run.dir={tmp_path / 'eval'}", "wandb.mode=disabled"]
+    res = _run([*ev, f"train_dir={tmp_path / 'nowhere'}"], run_env, timeout=120)
+    _user_error(res, f"no drafter in {tmp_path / 'nowhere' / 'best'} (directory missing)", "eval.drafter_dir")
+
+    best = tmp_path / "train" / "best"
+    best.mkdir(parents=True)
+    (best / "config.json").write_text(json.dumps({"draftsmith": {"drafter": {"name": "eagle"}}}))
+    save_file({"w": torch.zeros(64, 64)}, str(best / "model.safetensors"))
+    data = (best / "model.safetensors").read_bytes()
+    (best / "model.safetensors").write_bytes(data[: len(data) // 2])
+    res = _run([*ev, f"train_dir={tmp_path / 'train'}"], run_env, timeout=120)
+    _user_error(res, f"{best / 'model.safetensors'}: truncated or corrupt", "Hint:")
+    assert "Target smollm2-135m loaded" not in res.stdout + res.stderr
