@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib.resources
 import logging
 import sys
 from collections.abc import Callable
@@ -27,7 +28,9 @@ from train.manifest import check_same_config
 from train.runlock import run_lock
 
 logger = logging.getLogger("train")
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(str(importlib.resources.files("conf")))
+"""The Hydra config tree, shipped as the ``conf`` package (package data): found the same way in a checkout, an
+editable install and a wheel."""
 
 
 # Every stage holds its run directory's lock (train/runlock.py) while it writes there: a second writer is
