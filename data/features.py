@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from train.atomic import atomic_write_with
+from train.atomic import atomic_write_json, atomic_write_with
 from train.batches import BatchPlan, load_rows
 from train.config import Config, ConfigError
 from train.drafters import registry
@@ -28,6 +28,45 @@ from train.manifest import read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 ROWS_PER_PART = 256
+
+
+def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
+    """Parts are reused on a rerun only when they were made from the same inputs (``plan.json``, written before
+    the first part); parts of another plan are refused, or removed with ``overwrite=true``, never mixed."""
+    import json
+
+    path = out / "plan.json"
+    old: dict[str, Any] | None = None
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            old = {"corrupt": str(path)}
+    elif (out / "manifest.json").is_file():  # made before plan.json existed: its manifest says the same
+        m = read_manifest(out / "manifest.json")
+        old = {
+            "synth_plan": (m.get("inputs") or {}).get("synth_plan"),
+            "target_fingerprint": (m.get("target") or {}).get("fingerprint"),
+            "layers": m.get("layers"),
+            "rows": m.get("rows"),
+            "max_seq_len": m.get("max_seq_len"),
+        }
+    elif list(out.glob("part-*.safetensors")):
+        old = {"unknown": "parts without plan.json"}
+    if old == plan:
+        return
+    if old is not None:
+        diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+        if not overwrite:
+            raise ConfigError(
+                f"{out} holds features made from other inputs (differs in: {', '.join(diff)}). Add overwrite=true to "
+                f"replace them, or set train.features_dir (hydra.run.dir) elsewhere."
+            )
+        logger.warning("overwrite=true: removing the features of other inputs in %s (%s)", out, ", ".join(diff))
+        for f in out.glob("part-*.safetensors"):
+            f.unlink()
+        (out / "manifest.json").unlink(missing_ok=True)
+    atomic_write_json(path, plan)
 
 
 def run_features(cfg: Config, out: Path) -> dict[str, Any]:
@@ -60,6 +99,17 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
             f"use train.features=online or point train.features_dir at a larger disk"
         )
     out.mkdir(parents=True, exist_ok=True)
+    _check_or_write_plan(
+        out,
+        {
+            "synth_plan": synth.get("plan_hash"),
+            "target_fingerprint": target.fingerprint,
+            "layers": list(layers),
+            "rows": len(rows),
+            "max_seq_len": cfg.train.max_seq_len,
+        },
+        cfg.overwrite,
+    )
     t0 = time.perf_counter()
     parts = [range(i, min(i + ROWS_PER_PART, len(rows))) for i in range(0, len(rows), ROWS_PER_PART)]
     plan = BatchPlan(rows, 1, 1, 0, target.tokenizer.pad_token_id)

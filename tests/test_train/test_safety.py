@@ -307,3 +307,18 @@ def test_corrupt_or_missing_inputs_are_named(tmp_path: Path, run_env: dict[str, 
     res = _run([*ev, f"train_dir={tmp_path / 'train'}"], run_env, timeout=120)
     _user_error(res, f"{best / 'model.safetensors'}: truncated or corrupt", "Hint:")
     assert "Target smollm2-135m loaded" not in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_features_of_other_inputs_are_refused_not_mixed(
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+) -> None:
+    feats = tmp_path / "features"
+    base = ["stage=features", *SMALL_SYNTH, f"synth_dir={synth_dir}", f"hydra.run.dir={feats}", "wandb.mode=disabled"]
+    res = _run([*base, "drafter=eagle"], run_env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    parts = {p.name: p.stat().st_mtime_ns for p in feats.glob("part-*.safetensors")}
+    assert parts and json.loads((feats / "plan.json").read_text())["layers"] == [30]
+    res = _run([*base, "drafter=eagle3"], run_env)  # other layers into the same directory: refused
+    _user_error(res, "holds features made from other inputs (differs in: layers)", "overwrite=true")
+    assert {p.name: p.stat().st_mtime_ns for p in feats.glob("part-*.safetensors")} == parts
