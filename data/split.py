@@ -8,10 +8,12 @@ held-out conversations are never trained on by any run with the same salt.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from data.sources import Conversation, SkipCounter, check_sources, read_source
 from train.config import ConfigError, DataConfig
@@ -53,6 +55,36 @@ class Selection:
     heldout: list[Conversation] = field(default_factory=list)
     available: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per source: valid training and held-out conversations available before the quota."""
+
+
+def check_heldout_file(synth_dir: str | Path) -> int:
+    """Check ``<synth_dir>/heldout.jsonl`` line by line (cheap, before a model loads); return its row count.
+
+    Raises :class:`ConfigError` naming the file (and line) when it is missing, corrupt or empty.
+    """
+    path = Path(synth_dir) / "heldout.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: run stage=synth for this run_name first (it writes the held-out split)")
+    n = 0
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+                ok = isinstance(rec, dict) and isinstance(rec.get("messages"), list) and "source" in rec
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                ok = False
+            if not ok:
+                raise ConfigError(
+                    f"{path}:{lineno}: corrupt held-out row (truncated or not a held-out record). Hint: rerun "
+                    f"stage=synth (it rewrites heldout.jsonl), or judge another file with eval.prompts=<file>"
+                )
+            n += 1
+    if n == 0:
+        raise ConfigError(
+            f"{path} is empty: the held-out split has no conversations. Raise data.heldout_fraction (or add "
+            f"traffic) and rerun stage=synth, or judge another file with eval.prompts=<JSONL/Parquet file>"
+        )
+    return n
 
 
 def check_data(data: DataConfig) -> None:

@@ -72,6 +72,10 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
         check_same_config(run_dir, "eval", cfg)  # never replace results made with another config silently
         if "drafter" in cfg.eval.proposers:  # a missing or corrupt drafter fails before the target loads
             check_drafter_dir(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", "eval.drafter_dir")
+        if cfg.eval.prompts == "synth":  # so does a missing, truncated or empty held-out split
+            from data.split import check_heldout_file
+
+            check_heldout_file(cfg.synth_dir)
         return run_eval(cfg, run_dir)
 
 

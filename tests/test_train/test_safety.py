@@ -322,3 +322,16 @@ def test_features_of_other_inputs_are_refused_not_mixed(
     res = _run([*base, "drafter=eagle3"], run_env)  # other layers into the same directory: refused
     _user_error(res, "holds features made from other inputs (differs in: layers)", "overwrite=true")
     assert {p.name: p.stat().st_mtime_ns for p in feats.glob("part-*.safetensors")} == parts
+
+
+def test_truncated_or_empty_heldout_split_is_named_at_eval(tmp_path: Path, run_env: dict[str, str]) -> None:
+    synth = tmp_path / "synth"
+    synth.mkdir()
+    row = {"id": "a", "source": "mine", "messages": [{"role": "user", "content": "hi"}]}
+    (synth / "heldout.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row)[:20])  # cut mid-row
+    ev = ["stage=eval", f"synth_dir={synth}", f"hydra.run.dir={tmp_path / 'eval'}", "eval.proposers=[prompt_lookup]"]
+    res = _run([*ev, "wandb.mode=disabled"], run_env, timeout=120)
+    _user_error(res, f"{synth / 'heldout.jsonl'}:2: corrupt held-out row", "Hint:")
+    (synth / "heldout.jsonl").write_text("")
+    res = _run([*ev, "wandb.mode=disabled"], run_env, timeout=120)
+    _user_error(res, f"{synth / 'heldout.jsonl'} is empty", "data.heldout_fraction")
