@@ -446,7 +446,8 @@ def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
         ax1.plot(range(1, len(m["alpha"]) + 1), m["alpha"], marker="o", label=name)
         total = sum(m["tau_hist"].values())
         xs = sorted(m["tau_hist"])
-        ax2.plot(xs, [m["tau_hist"][x] / total for x in xs], marker=".", label=f"{name} (tau {m['tau']:.2f})")
+        label = f"{name} (tau {m['tau']:.2f} {describe_interval(*m['tau_ci'])})"
+        ax2.plot(xs, [m["tau_hist"][x] / total for x in xs], marker=".", label=label)
     ax1.set(xlabel="draft position i", ylabel="alpha_i", title="per-position acceptance", ylim=(0, 1.02))
     ax2.set(xlabel="tokens per target forward", ylabel="fraction of steps", title="acceptance length")
     for ax in (ax1, ax2):

@@ -189,7 +189,7 @@ class EvalConfig:
     continuations_dir: str | None = None
     """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
     run dir's replay/)."""
-    replay_batch_size: int = 8
+    replay_batch_size: int = 16
     """Batch size for generating the continuations."""
     bootstrap: int = 2000
     """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
