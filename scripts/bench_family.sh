@@ -19,6 +19,6 @@ else
   python3 -m train stage=features "${common[@]}"
 fi
 python3 -m train stage=train "${common[@]}" overwrite=true
-python3 -m train stage=eval "${common[@]}" eval.decode=both
+python3 -m train stage=eval "${common[@]}" eval.decode=both overwrite=true  # a rerun replaces the last table
 du -sh "runs/$RUN/train/best"
 cat "runs/$RUN/eval/table.md"

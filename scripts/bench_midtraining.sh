@@ -10,6 +10,6 @@ python3 -m train stage=synth "${common[@]}" synth.regenerate=false
 python3 -m train stage=features "${common[@]}"
 python3 -m train stage=train "${common[@]}" overwrite=true
 # Same held-out prompts as the regenerated run (the split is a hash of source and id; identical here).
-python3 -m train stage=eval "${common[@]}" 'eval.proposers=[drafter]' synth_dir=runs/quickstart/synth
+python3 -m train stage=eval "${common[@]}" 'eval.proposers=[drafter]' synth_dir=runs/quickstart/synth overwrite=true
 echo "## regenerated (target's own answers)"; cat runs/quickstart/eval/table.md
 echo "## original answers"; cat runs/$ORIG/eval/table.md

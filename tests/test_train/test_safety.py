@@ -191,6 +191,7 @@ def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoi
     assert resume["from"] == "step-000002" and resume["skipped"][0]["checkpoint"] == "step-000004"
     assert resume["changed"] == {"train.max_steps": [4, 5], "train.save_every": [2, 1]}  # safe keys, recorded
     assert (ckpts / "step-000005").is_dir() and (run / "best" / "model.safetensors").is_file()
+    assert (ckpts / ".step-000004.corrupt" / "state" / "optimizer.bin").is_file()  # set aside, not resumed again
 
 
 # -- 1. an empty held-out split ------------------------------------------------------------------------------------
