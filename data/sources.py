@@ -259,13 +259,14 @@ def _records_from_file(path: Path) -> Iterator[Any]:
         logger.warning("%s is empty (0 rows)", path)
 
 
-def source_files(name: str, cfg: SourceConfig) -> list[Path]:
+def source_files(name: str, cfg: SourceConfig, key: str | None = None) -> list[Path]:
     """The files of a jsonl source (globs expanded, sorted); cheap, so it runs before the target loads.
 
     A missing file or a directory given by name is an error; a directory matched by a glob is skipped.
     """
+    key = key or f"data.sources.{name}.paths"
     if not cfg.paths:
-        raise ConfigError(f"data.sources.{name}.paths is empty: list your JSONL/Parquet files")
+        raise ConfigError(f"{key} is empty: list your JSONL/Parquet files")
     files: list[Path] = []
     for pattern in cfg.paths:
         p = Path(resolve_path(pattern))
@@ -273,18 +274,16 @@ def source_files(name: str, cfg: SourceConfig) -> list[Path]:
             matches = sorted(p.parent.glob(p.name))
             dirs = [m for m in matches if m.is_dir()]
             if dirs:
-                logger.warning("data.sources.%s.paths: %s matches directories, skipped: %s", name, pattern, dirs[:5])
+                logger.warning("%s: %s matches directories, skipped: %s", key, pattern, dirs[:5])
             files.extend(m for m in matches if m.is_file())
         elif p.is_dir():
-            raise ConfigError(
-                f"data.sources.{name}.paths: {p} is a directory, not a file (give its files, e.g. {p}/*.jsonl)"
-            )
+            raise ConfigError(f"{key}: {p} is a directory, not a file (give its files, e.g. {p}/*.jsonl)")
         elif not p.is_file():
-            raise ConfigError(f"data.sources.{name}.paths: {p} does not exist")
+            raise ConfigError(f"{key}: {p} does not exist")
         else:
             files.append(p)
     if not files:
-        raise ConfigError(f"data.sources.{name}.paths={cfg.paths} matched no files")
+        raise ConfigError(f"{key}={cfg.paths} matched no files")
     return files
 
 

@@ -76,6 +76,11 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
             from data.split import check_heldout_file
 
             check_heldout_file(cfg.synth_dir)
+        elif cfg.eval.prompts != "data":  # a traffic file or glob
+            from data.sources import source_files
+            from train.config import SourceConfig
+
+            source_files("eval", SourceConfig(kind="jsonl", paths=[cfg.eval.prompts]), key="eval.prompts")
         return run_eval(cfg, run_dir)
 
 
@@ -241,6 +246,8 @@ def cli() -> None:
     try:
         preflight(sys.argv[1:])
     except ConfigError as exc:
+        if debug_mode():
+            raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     main()

@@ -138,6 +138,12 @@ class Trainer:
         self.resume_changes: dict[str, Any] = {}
         if cfg.resume:  # cheap, before the target loads: refuse a changed config now
             self.resume_changes = self._check_resume_config()
+        if cfg.train.features == "precomputed" and not (Path(cfg.train.features_dir) / "manifest.json").is_file():
+            raise ConfigError(
+                f"train.features=precomputed but {cfg.train.features_dir} holds no finished features (no "
+                f"manifest.json): run stage=features first (same overrides), set train.features_dir, or use "
+                f"train.features=online"
+            )
 
     # -- setup ---------------------------------------------------------------------------------
 

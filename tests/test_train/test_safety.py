@@ -260,6 +260,15 @@ def test_eval_refuses_to_replace_results_of_another_config(tmp_path: Path, run_e
         (["stage=synth", "target=hf"], "target.path must be set"),
         (["stage=synth", "run_name=../../x"], "run_name='../../x' is not a safe name"),
         (["stage=train", "synth_dir=/nonexistent/synth"], "/nonexistent/synth/manifest.json not found"),
+        (
+            ["stage=train", "train.features=precomputed", "train.features_dir=/nonexistent/f"],
+            "/nonexistent/f holds no finished features",
+        ),
+        (
+            ["stage=eval", "eval.prompts=/nonexistent/t.jsonl", "eval.proposers=[prompt_lookup]"],
+            "eval.prompts: /nonexistent/t.jsonl does not exist",
+        ),
+        (["stage=synth", "data=jsonl", "data.sources.mine.paths=[/tmp]"], "/tmp is a directory, not a file"),
     ],
 )
 def test_user_errors_exit_2_without_traceback(
