@@ -37,13 +37,20 @@ def _safe_globals() -> list[Any]:
         out.extend(TORCH_SAFE_GLOBALS)
     except ImportError:  # pragma: no cover - accelerate is a dependency
         pass
-    try:  # DeepSpeed's ZeRO optimizer state records its stage as an IntEnum
+    try:  # plain-data types in DeepSpeed's own checkpoint files (ZeRO stage enum, loss scaler, fragment address)
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
 
-        out.append(ZeroStageEnum)
+        out.extend([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
     except ImportError:  # pragma: no cover
         pass
     return out
+
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+"""State files that accelerate or DeepSpeed unpickle; other files in a checkpoint (DeepSpeed's ``latest`` and
+``zero_to_fp32.py``, JSON) are never unpickled and are not checked."""
 
 
 def check_state_file(path: Path) -> None:
@@ -98,7 +105,7 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
     for f in sorted(p for p in state_dir.rglob("*") if p.is_file()):
         if f.suffix == ".safetensors":
             check_safetensors(f)
-        elif f.suffix not in (".json", ".txt") and f.name != "latest":
+        elif f.suffix in PICKLE_SUFFIXES:
             check_state_file(f)
     for f in sorted((ckpt / "drafter").glob("*.safetensors")):
         check_safetensors(f)

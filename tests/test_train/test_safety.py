@@ -345,3 +345,32 @@ def test_truncated_or_empty_heldout_split_is_named_at_eval(tmp_path: Path, run_e
     (synth / "heldout.jsonl").write_text("")
     res = _run([*ev, "wandb.mode=disabled"], run_env, timeout=120)
     _user_error(res, f"{synth / 'heldout.jsonl'} is empty", "data.heldout_fraction")
+
+
+def test_state_file_gate_accepts_deepspeed_data_and_refuses_code(tmp_path: Path) -> None:
+    """DeepSpeed's checkpoint files (ZeRO stage enum, loss scaler objects, a copied zero_to_fp32.py) pass the
+    weights_only gate; a reduce to os.system does not, and nothing runs."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from train.checkpoints import UnsafeCheckpointError, check_state_file, verify_checkpoint
+
+    ckpt = tmp_path / "step-000001"
+    (ckpt / "state" / "pytorch_model").mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    optim = {
+        "zero_stage": ZeroStageEnum.gradients,
+        "loss_scaler": DynamicLossScaler(2.0**16, 1000, 1.0, 2, False),
+        "w": torch.ones(2),
+    }
+    torch.save(optim, ckpt / "state" / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (ckpt / "state" / "pytorch_model" / "zero_to_fp32.py").write_text("print('not a pickle')\n")
+    (ckpt / "state" / "latest").write_text("pytorch_model")
+    assert verify_checkpoint(ckpt)["step"] == 1
+    marker = tmp_path / "pwned"
+    bad = ckpt / "state" / "random_states_0.pkl"
+    torch.save({"rng": _Planted(str(marker))}, bad)
+    with pytest.raises(UnsafeCheckpointError, match=r"random_states_0\.pkl"):
+        check_state_file(bad)
+    assert not marker.exists()
