@@ -289,6 +289,11 @@ class Trainer:
                 shutil.rmtree(self.ckpt_root, ignore_errors=True)
             self.acc.wait_for_everyone()
             return
+        if self.acc.is_main_process:  # half-written checkpoints of a killed save are never resumed: remove them
+            for tmp in self.ckpt_root.glob(".step-*.tmp"):
+                logger.warning("removing the unfinished checkpoint %s (its save was interrupted)", tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
         if not existing:
             logger.warning("resume=true but no checkpoint in %s: starting from step 0", self.ckpt_root)
             return

@@ -180,6 +180,7 @@ def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoi
     # 7. a truncated optimizer state in the newest checkpoint: the older one is resumed, saying which and why
     opt = ckpts / "step-000004" / "state" / "optimizer.bin"
     opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+    shutil.copytree(ckpts / "step-000004", ckpts / ".step-000006.tmp")  # a save that was killed half-way
     res = _run([*base, "train.max_steps=5", "resume=true", "train.save_every=1"], run_env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
@@ -192,6 +193,7 @@ def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoi
     assert resume["changed"] == {"train.max_steps": [4, 5], "train.save_every": [2, 1]}  # safe keys, recorded
     assert (ckpts / "step-000005").is_dir() and (run / "best" / "model.safetensors").is_file()
     assert (ckpts / ".step-000004.corrupt" / "state" / "optimizer.bin").is_file()  # set aside, not resumed again
+    assert not (ckpts / ".step-000006.tmp").exists() and "removing the unfinished checkpoint" in out
 
 
 # -- 1. an empty held-out split ------------------------------------------------------------------------------------
