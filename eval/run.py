@@ -507,20 +507,25 @@ def continuations_dir(cfg: Config, run_dir: Path) -> Path:
     return run_dir / "replay"
 
 
+def load_continuations(cfg: Config, target: Target, prompts: list[Prompt], run_dir: Path) -> list[list[int]]:
+    """The target's greedy continuation of every prompt (``eval.max_new_tokens``), from the cache or made now."""
+    cache = ContinuationCache(continuations_dir(cfg, run_dir), target.fingerprint)
+    return cache.get(
+        target.model,
+        [p.input_ids for p in prompts],
+        cfg.eval.max_new_tokens,
+        target.tokenizer.pad_token_id,
+        cfg.eval.replay_batch_size,
+    )
+
+
 def replay_methods(
     cfg: Config, target: Target, prompts: list[Prompt], methods: list[Method], run_dir: Path
 ) -> tuple[dict[str, Result], dict[str, float]]:
     """Replay every method that has a proposer on every prompt (continuations cached on disk)."""
     e = cfg.eval
     t0 = time.perf_counter()
-    cache = ContinuationCache(continuations_dir(cfg, run_dir), target.fingerprint)
-    conts = cache.get(
-        target.model,
-        [p.input_ids for p in prompts],
-        e.max_new_tokens,
-        target.tokenizer.pad_token_id,
-        e.replay_batch_size,
-    )
+    conts = load_continuations(cfg, target, prompts, run_dir)
     t_cont = time.perf_counter() - t0
     proposers = {m.name: m.proposer for m in methods if m.proposer is not None}
     stats, outputs, trace_s = replay_many(

@@ -50,8 +50,8 @@ def main() -> None:
     from data.target import load_target
     from eval.decoder import SpeculativeDecoder
     from eval.metrics import DecodeStats
-    from eval.replay import ContinuationCache, replay_many
-    from eval.run import build_methods, continuations_dir, first_per_source, select_prompts
+    from eval.replay import replay_many
+    from eval.run import build_methods, first_per_source, load_continuations, select_prompts
     from train.config import register_configs
 
     register_configs()
@@ -67,14 +67,7 @@ def main() -> None:
     eos = target.tokenizer.eos_token_id
 
     t0 = time.perf_counter()
-    cache = ContinuationCache(continuations_dir(cfg, out_dir), target.fingerprint)
-    conts = cache.get(
-        target.model,
-        [p.input_ids for p in prompts],
-        e.max_new_tokens,
-        target.tokenizer.pad_token_id,
-        e.replay_batch_size,
-    )
+    conts = load_continuations(cfg, target, prompts, out_dir)
     t_cont = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -15,6 +15,12 @@ from tests.conftest import REPO, SMALL_SYNTH
 pytestmark = pytest.mark.slow
 
 
+def _eval(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -m train stage=eval <args>`` in the checkout, output captured."""
+    cmd = [sys.executable, "-m", "train", "stage=eval", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
 def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_env: dict[str, str], target) -> None:
     from train.drafters import registry
 
@@ -154,26 +160,9 @@ def test_any_traffic_file_is_the_judge_in_replay_mode(tmp_path: Path, run_env: d
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "Say hello."}) + "\n")
     out = tmp_path / "eval"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "train",
-            "stage=eval",
-            f"eval.prompts={tmp_path}/*.jsonl",
-            "eval.mode=replay",
-            "eval.max_new_tokens=12",
-            "eval.proposers=[prompt_lookup]",
-            f"synth_dir={tmp_path / 'none'}",
-            f"hydra.run.dir={out}",
-            "wandb.mode=disabled",
-        ],
-        cwd=REPO,
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = [f"eval.prompts={tmp_path}/*.jsonl", "eval.mode=replay", "eval.max_new_tokens=12"]
+    args += ["eval.proposers=[prompt_lookup]", f"synth_dir={tmp_path / 'none'}", f"hydra.run.dir={out}"]
+    res = _eval([*args, "wandb.mode=disabled"], run_env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     per = metrics["metrics"]["prompt_lookup_k5"]
@@ -192,10 +181,6 @@ def test_sampling_reports_expected_tau_next_to_decoded(tmp_path: Path, run_env: 
         "\n".join(json.dumps({"prompt": f"Count from {i} to {i + 9}, comma separated."}) for i in range(2)) + "\n"
     )
     common = [
-        sys.executable,
-        "-m",
-        "train",
-        "stage=eval",
         f"eval.prompts={tmp_path / 't.jsonl'}",
         "eval.temperature=0.8",
         "eval.max_new_tokens=16",
@@ -206,19 +191,10 @@ def test_sampling_reports_expected_tau_next_to_decoded(tmp_path: Path, run_env: 
         f"synth_dir={tmp_path / 'none'}",
         "wandb.mode=disabled",
     ]
-    refused = subprocess.run(
-        [*common, f"hydra.run.dir={tmp_path / 'refused'}"], cwd=REPO, env=run_env, capture_output=True, text=True
-    )
+    refused = _eval([*common, f"hydra.run.dir={tmp_path / 'refused'}"], run_env)
     assert refused.returncode != 0 and "eval.mode=decode" in refused.stderr + refused.stdout
     out = tmp_path / "eval"
-    res = subprocess.run(
-        [*common, "eval.mode=decode", f"hydra.run.dir={out}"],
-        cwd=REPO,
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    res = _eval([*common, "eval.mode=decode", f"hydra.run.dir={out}"], run_env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((out / "metrics.json").read_text())["metrics"]["draft_model_chain_k3"]["all"]
     assert m["tau_from"] == "decode" and 1.0 <= m["expected_tau"] <= 4.0 and len(m["expected_alpha"]) == 3
