@@ -97,6 +97,7 @@ def _stage_compare(cfg: Config, run_dir: Path) -> Any:
     from train.compare import run_compare
 
     with run_lock(run_dir, "compare"):
+        check_same_config(run_dir, "compare", cfg)  # another runs=[...] list never silently replaces a comparison
         return run_compare(cfg, run_dir)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from train.config import Config, ConfigError
+from train.manifest import write_manifest
 
 logger = logging.getLogger(__name__)
 STAGE_DIRS = ("synth", "features", "train", "eval", "export")
@@ -348,6 +349,13 @@ def run_compare(cfg: Config, run_dir: Path) -> dict[str, Any]:
     atomic_write_text(run_dir / "compare.md", table + "\n")
     atomic_write_json(run_dir / "compare.json", {"runs": runs})
     plot(runs, run_dir / "compare.png")
+    write_manifest(
+        run_dir / "manifest.json",
+        "compare",
+        cfg,
+        inputs={"runs": list(cfg.runs)},
+        files={"table": "compare.md", "data": "compare.json", "plot": "compare.png"},
+    )
     print(table)
     print(f"\nwritten: {run_dir / 'compare.md'}, {run_dir / 'compare.png'}")
     return {"runs": runs, "table": table}

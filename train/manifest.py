@@ -83,6 +83,7 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
         "target.trust_remote_code",
         "eval",
     ),
+    "compare": ("runs",),
 }
 """Per stage: the config keys (or key prefixes) its output depends on. Others (e.g. ``train.*`` for eval, whose
 drafter comes from ``train_dir``) may differ between the run that wrote an output and the one that replaces it."""
@@ -117,7 +118,8 @@ def check_same_config(run_dir: Path, stage: str, cfg: Any) -> None:
             leaf = tail or head
             if isinstance(holder, dict) and isinstance(holder.get(leaf), str):
                 holder[leaf] = os.path.abspath(holder[leaf])
-    diff = {k: v for k, v in changed_keys(old, new, only).items() if not is_safe_change(k)}
+    # keys a stage names as its inputs always count (compare's runs=[...] is safe to change on a training resume)
+    diff = {k: v for k, v in changed_keys(old, new, only).items() if not is_safe_change(k) or k in (only or ())}
     if not diff:
         return
     if cfg.overwrite:

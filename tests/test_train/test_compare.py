@@ -27,3 +27,27 @@ def test_compare_reports_intervals_and_whether_runs_differ(tmp_path: Path) -> No
     assert row.split("|")[2:5] == [" baseline ", " higher ", " within intervals "]
     assert differs(b["eval"]["eagle_chain_k5"]["all"], a["eval"]["eagle_chain_k5"]["all"]) == "lower"
     assert differs({"tau": 1.5}, a["eval"]["eagle_chain_k5"]["all"]) == "-"  # an old run without an interval
+
+
+def test_compare_never_silently_replaces_another_comparison(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    a, b, c = (_eval_dir(tmp_path, n, 1.5, 1.4, 1.6) for n in "abc")
+    out = tmp_path / "cmp"
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+
+    def compare(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "train", "stage=compare", f"hydra.run.dir={out}", *args]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    assert compare(f"runs=[{a},{b}]").returncode == 0
+    assert compare(f"runs=[{a},{b}]").returncode == 0  # the same comparison again: fine
+    refused = compare(f"runs=[{a},{c}]")
+    assert refused.returncode == 2 and "overwrite=true" in refused.stderr + refused.stdout
+    assert "| | a | b |" in (out / "compare.md").read_text()  # untouched
+    assert compare(f"runs=[{a},{c}]", "overwrite=true").returncode == 0
+    assert "| | a | c |" in (out / "compare.md").read_text()
