@@ -151,6 +151,7 @@ class ContinuationCache:
         self.path = Path(directory) / "continuations.jsonl"
         self.fingerprint = fingerprint
         self._rows: dict[str, list[int]] = {}
+        self._unwritable = False
         if self.path.is_file():
             for n, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
                 try:
@@ -162,6 +163,27 @@ class ContinuationCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def _store(self) -> None:
+        """Rewrite the cache file atomically; a cache that cannot be written (read-only synth dir, full disk) only
+        costs a regeneration next time, so it is a warning, not a failure."""
+        from train.atomic import atomic_write_text
+
+        if self._unwritable:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(
+                self.path, "".join(json.dumps({"key": k, "tokens": v}) + "\n" for k, v in self._rows.items())
+            )
+        except OSError as exc:
+            self._unwritable = True
+            logger.warning(
+                "replay: cannot write the continuation cache %s (%s); continuing without it (set "
+                "eval.continuations_dir to a writable directory to keep them)",
+                self.path,
+                exc,
+            )
+
     def get(
         self,
         model: torch.nn.Module,
@@ -171,8 +193,6 @@ class ContinuationCache:
         batch_size: int = 8,
     ) -> list[list[int]]:
         """Continuations of ``prompts`` (``max_new_tokens`` each), generating and storing the missing ones."""
-        from train.atomic import atomic_write_text
-
         keys = [_key(self.fingerprint, p) for p in prompts]
         missing = sorted({k: i for i, k in enumerate(keys) if len(self._rows.get(k, ())) < max_new_tokens}.values())
         if missing:
@@ -189,10 +209,7 @@ class ContinuationCache:
                 outs = greedy_continuations(model, [prompts[i] for i in part], max_new_tokens, pad_token_id, batch_size)
                 for i, toks in zip(part, outs, strict=True):
                     self._rows[keys[i]] = toks
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(
-                    self.path, "".join(json.dumps({"key": k, "tokens": v}) + "\n" for k, v in self._rows.items())
-                )
+                self._store()
             dt = time.perf_counter() - t0
             logger.info(
                 "replay: %d continuations in %.1f s (%.1f tokens/s)",

@@ -185,3 +185,32 @@ def test_expected_acceptance_matches_the_sampled_decoder(target_and_draft, tempe
     assert ExpectedAcceptance.pooled_tau(expected) == pytest.approx(decoded, rel=0.04)
     alpha = [a / t for a, t in zip(expected[0].accepted, expected[0].attempted, strict=True) if t > 0]
     assert all(0.0 <= a <= 1.0 for a in alpha)
+
+
+def test_continuation_cache_reuses_prefixes_and_survives_an_unwritable_dir(tmp_path, target_and_draft, caplog) -> None:
+    """Continuations are made once: a shorter budget is served by prefix (no model call), a new prompt adds a row;
+    an unwritable cache directory only costs a warning."""
+    from eval.decoder import plain_decode
+    from eval.replay import ContinuationCache
+
+    model = target_and_draft.target
+    prompts = [p[0].tolist() for p in target_and_draft.prompts]
+    cache = ContinuationCache(tmp_path / "replay", "fp")
+    long = cache.get(model, prompts[:2], 12, pad_token_id=0, batch_size=2)
+    for p, c in zip(prompts[:2], long, strict=True):  # left-padded batch == batch-1 greedy decoding
+        assert c == plain_decode(model, torch.tensor([p]), 12).tokens
+    reread = ContinuationCache(tmp_path / "replay", "fp")
+    assert len(reread) == 2
+    assert reread.get(None, prompts[:2], 5, pad_token_id=0) == [c[:5] for c in long]  # type: ignore[arg-type]
+    assert (
+        len(reread.get(model, prompts, 5, pad_token_id=0)) == 3
+        and len(ContinuationCache(tmp_path / "replay", "fp")) == 3
+    )
+    other = ContinuationCache(tmp_path / "replay", "another target")  # another target's rows are never served
+    other.get(model, prompts[:1], 4, pad_token_id=0)
+    assert len(other) == 4
+    blocked = tmp_path / "a_file"
+    blocked.write_text("x")
+    nowhere = ContinuationCache(blocked / "replay", "fp")  # its directory cannot be created
+    assert nowhere.get(model, prompts[:1], 4, pad_token_id=0)[0] == long[0][:4]
+    assert "cannot write the continuation cache" in caplog.text
