@@ -92,16 +92,22 @@ def model_forward(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     output_hidden_states: bool = False,
+    logits_to_keep: int | torch.Tensor | None = None,
 ) -> Any:
     """One HF causal-LM forward with a KV cache (works with ``cache=`` and ``past_key_values=``).
 
     Args:
-        input_ids: ``[1, n]``.
-        cache: a ``DynamicCache`` (updated in place).
-        position_ids: optional ``[1, n]``.
-        attention_mask: optional ``[1, n_past + n]`` 2D or ``[1, 1, n, n_past + n]`` 4D mask.
+        input_ids: ``[B, n]``.
+        cache: a ``DynamicCache`` (updated in place), or None for a forward without one.
+        position_ids: optional ``[B, n]``.
+        attention_mask: optional ``[B, n_past + n]`` 2D or ``[B, 1, n, n_past + n]`` 4D mask.
+        logits_to_keep: only these positions' logits (an int keeps the last ones; a tensor lists positions).
     """
-    kwargs: dict[str, Any] = {_cache_kwarg(model): cache, "use_cache": True}
+    kwargs: dict[str, Any] = (
+        {_cache_kwarg(model): cache, "use_cache": True} if cache is not None else {"use_cache": False}
+    )
+    if logits_to_keep is not None:
+        kwargs["logits_to_keep"] = logits_to_keep
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if attention_mask is not None:

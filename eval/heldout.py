@@ -61,14 +61,10 @@ def traffic_prompts(
     Rows carry OpenAI-style ``messages`` (the prompt is everything up to the first user turn) or a ``prompt``
     string. Rows that cannot be used are skipped and counted by reason (returned with the prompts).
     """
-    from data.sources import Skip, _records_from_file, normalise_messages
-    from train.config import ConfigError, resolve_path
+    from data.sources import Skip, _records_from_file, normalise_messages, source_files
+    from train.config import ConfigError, SourceConfig
 
-    p = Path(resolve_path(pattern))
-    files = sorted(p.parent.glob(p.name)) if any(c in p.name for c in "*?[") else [p]
-    files = [f for f in files if f.is_file()]
-    if not files:
-        raise ConfigError(f"eval.prompts={pattern!r}: no such file (a JSONL or Parquet file or glob, or synth | data)")
+    files = source_files("eval", SourceConfig(kind="jsonl", paths=[pattern]), key="eval.prompts")
     skipped: dict[str, int] = {}
     counts: dict[str, int] = {}
     prompts: list[Prompt] = []

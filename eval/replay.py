@@ -46,7 +46,7 @@ from tqdm import tqdm
 from eval.decoder import _new_cache, model_forward
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer, TargetOutput
-from eval.sampling import children_lists, greedy_walk
+from eval.sampling import children_lists, greedy_walk, logits_to_probs
 
 logger = logging.getLogger(__name__)
 
@@ -95,26 +95,13 @@ def greedy_continuations(
         attn = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = _new_cache(model)
-        res = model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **{_cache_kw(model): cache},
-        )
+        res = model_forward(model, ids, cache, position_ids=pos, attention_mask=attn, logits_to_keep=1)
         nxt = res.logits[:, -1].float().argmax(-1)
         toks = [nxt]
         for _ in range(max_new_tokens - 1):
             attn = torch.cat([attn, attn.new_ones(len(idx), 1)], dim=1)
             pos = pos[:, -1:] + 1
-            res = model(
-                input_ids=nxt[:, None],
-                attention_mask=attn,
-                position_ids=pos,
-                use_cache=True,
-                **{_cache_kw(model): cache},
-            )
+            res = model_forward(model, nxt[:, None], cache, position_ids=pos, attention_mask=attn)
             nxt = res.logits[:, -1].float().argmax(-1)
             toks.append(nxt)
             bar.update(len(idx))
@@ -124,12 +111,6 @@ def greedy_continuations(
             out[i] = [int(t) for t in rows[j]]
     bar.close()
     return out
-
-
-def _cache_kw(model: torch.nn.Module) -> str:
-    from eval.decoder import _cache_kwarg
-
-    return _cache_kwarg(model)
 
 
 def _key(fingerprint: str, prompt: Sequence[int]) -> str:
@@ -258,8 +239,10 @@ def trace_target(
     device = next(model.parameters()).device
     T = len(prompt)
     seq = torch.tensor([*prompt, *continuation[:-1]], dtype=torch.long, device=device)
-    out = model_forward(model, seq[None], _new_cache(model), output_hidden_states=need_hidden)
-    prompt_logits = out.logits[0, :T].float()
+    # no KV cache (nothing follows this forward) and logits of the prompt rows only (the continuation is known)
+    keep = torch.arange(T, device=device)
+    out = model_forward(model, seq[None], None, output_hidden_states=need_hidden, logits_to_keep=keep)
+    prompt_logits = out.logits[0].float()
     hidden: dict[int | str, torch.Tensor] | None = None
     if need_hidden:
         hs = out.hidden_states
@@ -493,7 +476,6 @@ def expected_acceptance(
     trace = trace_target(target_model, prompt, list(path), layers, need_hidden=True)
     assert trace.hidden is not None
     lm_head = target_model.get_output_embeddings()
-    from eval.sampling import logits_to_probs
 
     def p_after(pos: int) -> torch.Tensor:  # the target's distribution after the token at sequence position pos
         return logits_to_probs(lm_head(trace.hidden["last"][pos][None])[0].float(), temperature, top_p)

@@ -291,12 +291,8 @@ def summarise(res: Result, base: Result) -> dict[str, Any]:
         alpha = s.alpha()
         if hf_peer:
             predicted, model_tau = math.nan, s.tau()
-        elif res.k and len(alpha) >= res.k and not any(math.isnan(a) for a in alpha[: res.k]):
-            model_tau = expected_tokens_per_step(alpha, res.k)
-            predicted = model_tau / (v + res.k * c)
-        else:  # trees / variable drafts: measured tokens per step over the measured cost of a step
-            model_tau = s.tau()
-            predicted = s.tau() / (v + t_draft / t_plain)
+        else:
+            model_tau, predicted = predict(alpha, s.tau(), res.k, v, c)
         hist: dict[int, int] = {}
         for a in s.accepted_lengths:
             hist[a + 1] = hist.get(a + 1, 0) + 1
@@ -318,6 +314,16 @@ def summarise(res: Result, base: Result) -> dict[str, Any]:
             "identical_to_plain": identical,
         }
     return out
+
+
+def predict(alpha: list[float], tau: float, k: int | None, v: float, c: float) -> tuple[float, float]:
+    """(expected tokens per step, predicted speedup) from the cost model of :func:`summarise`: a chain of ``k`` with
+    every alpha_1..k measured uses E[tokens] from alpha over ``v + k c``; otherwise (trees, variable drafts) the
+    measured tau over the measured cost of a step (``c`` is per draft token for chains, per step otherwise)."""
+    if k and len(alpha) >= k and not any(math.isnan(a) for a in alpha[:k]):
+        tokens = expected_tokens_per_step(alpha, k)
+        return tokens, tokens / (v + k * c)
+    return tau, tau / (v + (k * c if k else c))
 
 
 _DECODE_ONLY = (
@@ -386,17 +392,9 @@ def combine(
             m["decode_tau"] = d["tau"]
             m["decode_prompts"] = len(decoded.per_prompt.get(src, [])) if decoded is not None else 0
             if m["tau_from"] == "replay" and not name.startswith("hf_") and name != "plain":
-                v, c, alpha = d["verify_cost_ratio_v"], d["draft_cost_ratio_c"], m["alpha"]
-                if k and len(alpha) >= k and not any(math.isnan(a) for a in alpha[:k]):
-                    m["model_tokens_per_step"] = expected_tokens_per_step(alpha, k)
-                    m["predicted_speedup"] = m["model_tokens_per_step"] / (v + k * c)
-                elif decoded is not None:
-                    s = decoded.stats[src]
-                    t_draft_step = s.draft_time_s / max(1, s.verify_steps)
-                    b = base.stats[src] if base is not None else s
-                    t_plain = b.target_time_s / max(1, b.target_forwards)
-                    m["model_tokens_per_step"] = m["tau"]
-                    m["predicted_speedup"] = m["tau"] / (v + t_draft_step / t_plain) if t_plain > 0 else math.nan
+                m["model_tokens_per_step"], m["predicted_speedup"] = predict(
+                    m["alpha"], m["tau"], k, d["verify_cost_ratio_v"], d["draft_cost_ratio_c"]
+                )
         out[src] = m
     return out
 

@@ -87,13 +87,8 @@ def main() -> None:
         "methods": {},
     }
     for m in methods:
-        flat = {f"{src}:{i}": s for src, lst in stats[m.name].items() for i, s in enumerate(lst)}
-        per_src_pos: dict[str, int] = {}
-        replay_of: dict[str, DecodeStats] = {}
-        for p in prompts:  # replay_many keeps prompt order within each source
-            k = per_src_pos.get(p.source, 0)
-            per_src_pos[p.source] = k + 1
-            replay_of[f"{p.source}:{p.id}"] = flat[f"{p.source}:{k}"]
+        per_source = {src: iter(lst) for src, lst in stats[m.name].items()}  # in prompt order within each source
+        replay_of = {f"{p.source}:{p.id}": next(per_source[p.source]) for p in prompts}
         dec = SpeculativeDecoder(target.model, m.proposer)
         t_dec, t_rep, differ = 0.0, 0.0, []
         for p in dprompts:

@@ -419,18 +419,17 @@ class Trainer:
         if cfg.train.eval_mode == "decode":
             stats, _ = measure(self.target.model, proposer, prompts, n_tok, eos, desc=desc)
             return {src: {"tau": s.tau(), "alpha": s.alpha()} for src, s in stats.items()}
-        from eval.metrics import DecodeStats
         from eval.replay import ContinuationCache, bootstrap_tau_ci, replay_many
+        from eval.run import Result, finish_result
 
         cache = ContinuationCache(Path(cfg.synth_dir) / "replay", self.target.fingerprint)
         conts = cache.get(self.target.model, [p.input_ids for p in prompts], n_tok, self.target.tokenizer.pad_token_id)
         per, _, _ = replay_many(self.target.model, {"drafter": proposer}, prompts, conts, n_tok, eos, desc=desc)
-        by_src = {**per["drafter"], "all": [s for v in per["drafter"].values() for s in v]}
-        out: dict[str, Any] = {}
-        for src, lst in by_src.items():
-            merged = DecodeStats.merge_all(lst)
-            out[src] = {"tau": merged.tau(), "alpha": merged.alpha(), "tau_ci": list(bootstrap_tau_ci(lst))}
-        return out
+        res = finish_result(Result(name="drafter"), per["drafter"])
+        return {
+            src: {"tau": s.tau(), "alpha": s.alpha(), "tau_ci": list(bootstrap_tau_ci(res.per_prompt[src]))}
+            for src, s in res.stats.items()
+        }
 
     def _save(self, final: bool = False, evaluate: bool = False) -> None:
         name = f"step-{self.step:06d}"
