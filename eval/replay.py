@@ -388,21 +388,93 @@ def replay_many(
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None,
     desc: str = "replay",
+    lanes: int = 1,
 ) -> tuple[dict[str, dict[str, list[DecodeStats]]], dict[str, dict[str, list[int]]], float]:
     """Replay every proposer on every prompt, one target trace per prompt shared by all proposers.
 
-    ``prompts`` are :class:`eval.heldout.Prompt` (source, id, input_ids). Returns per proposer name: the
-    per-prompt stats grouped by source, the outputs keyed ``"source:id"``, and the total trace seconds.
+    ``prompts`` are :class:`eval.heldout.Prompt` (source, id, input_ids). With ``lanes > 1`` up to that many prompts
+    are replayed at once by proposers with linear layers, their products batched across prompts
+    (:mod:`eval.lanes`); the traces are made in this thread meanwhile, and proposers without linear layers (prompt
+    lookup) run here too. Returns per proposer name: the per-prompt stats grouped by source (in prompt order), the
+    outputs keyed ``"source:id"``, and the total trace seconds. With lanes, a prompt's ``draft_time_s`` is the
+    time its lane took, waiting for the other lanes included.
     """
+    from eval.lanes import LaneBatcher, batchable_linears, batched_linears
+
     need, layers = union_hidden_layers(list(proposers.values()))
+    linears = {name: batchable_linears(p) for name, p in proposers.items()} if lanes > 1 else {}
+    laned = [name for name in proposers if linears.get(name)]
+    per_prompt: list[dict[str, tuple[list[int], DecodeStats]]] = [{} for _ in prompts]
+    trace_s = 0.0
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", mininterval=5.0)
+
+    def direct(i: int, trace: TargetTrace, names: Sequence[str]) -> None:
+        for name in names:
+            per_prompt[i][name] = replay(proposers[name], trace, max_new_tokens, eos_token_id)
+
+    if not laned:
+        for i, (p, cont) in enumerate(zip(prompts, continuations, strict=True)):
+            trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
+            trace_s += trace.seconds
+            direct(i, trace, list(proposers))
+            bar.update(1)
+    else:
+        import queue
+        import threading
+
+        n_lanes = min(lanes, len(prompts))
+        batcher = LaneBatcher()
+        work: queue.Queue[tuple[int, TargetTrace] | None] = queue.Queue(maxsize=n_lanes)
+        errors: list[BaseException] = []
+        done = threading.Semaphore(0)
+
+        def lane_main() -> None:
+            forks = {name: proposers[name].fork() for name in laned}
+            with batcher.lane():
+                while True:
+                    with batcher.idle():
+                        item = work.get()
+                    if item is None:
+                        return
+                    i, trace = item
+                    try:
+                        for name, prop in forks.items():
+                            per_prompt[i][name] = replay(prop, trace, max_new_tokens, eos_token_id)
+                    except BaseException as exc:  # reported by the main thread
+                        errors.append(exc)
+                    done.release()
+
+        others = [name for name in proposers if name not in laned]
+        all_linears = [m for name in laned for m in linears[name]]
+        with batched_linears(all_linears):
+            threads = [threading.Thread(target=lane_main, name=f"replay-lane-{j}", daemon=True) for j in range(n_lanes)]
+            for t in threads:
+                t.start()
+            try:
+                for i, (p, cont) in enumerate(zip(prompts, continuations, strict=True)):
+                    if errors:
+                        break
+                    trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
+                    trace_s += trace.seconds
+                    direct(i, trace, others)
+                    work.put((i, trace))
+                    while done.acquire(blocking=False):
+                        bar.update(1)
+            finally:
+                for _ in threads:
+                    work.put(None)
+                for t in threads:
+                    t.join()
+        if errors:
+            raise errors[0]
+        bar.n = len(prompts)
+        logger.info("replay lanes: %d rounds, %d products, %d rows", batcher.rounds, batcher.products, batcher.rows)
+    bar.close()
     stats: dict[str, dict[str, list[DecodeStats]]] = {name: {} for name in proposers}
     outputs: dict[str, dict[str, list[int]]] = {name: {} for name in proposers}
-    trace_s = 0.0
-    for p, cont in tqdm(list(zip(prompts, continuations, strict=True)), desc=desc, unit="prompt", mininterval=5.0):
-        trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
-        trace_s += trace.seconds
-        for name, prop in proposers.items():
-            toks, s = replay(prop, trace, max_new_tokens, eos_token_id)
+    for p, res in zip(prompts, per_prompt, strict=True):
+        for name in proposers:
+            toks, s = res[name]
             stats[name].setdefault(p.source, []).append(s)
             outputs[name][f"{p.source}:{p.id}"] = toks
     return stats, outputs, trace_s

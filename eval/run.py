@@ -483,8 +483,8 @@ def select_prompts(cfg: Config, target: Target) -> list[Prompt]:
 
 def check_eval_config(e: Any) -> None:
     """Cheap value checks of the eval settings (before anything loads)."""
-    if e.max_new_tokens < 1 or e.k < 1 or e.num_prompts < 1:
-        raise ConfigError("eval.max_new_tokens, eval.num_prompts and eval.k must be >= 1")
+    if e.max_new_tokens < 1 or e.k < 1 or e.num_prompts < 1 or e.replay_lanes < 1:
+        raise ConfigError("eval.max_new_tokens, eval.num_prompts, eval.k and eval.replay_lanes must be >= 1")
     if e.mode not in MODES:
         raise ConfigError(f"eval.mode={e.mode!r} must be one of {', '.join(MODES)}")
     if e.mode == "both" and (e.decode_prompts < 1 or e.decode_max_new_tokens < 1):
@@ -527,7 +527,7 @@ def replay_methods(
     t_cont = time.perf_counter() - t0
     proposers = {m.name: m.proposer for m in methods if m.proposer is not None}
     stats, outputs, trace_s = replay_many(
-        target.model, proposers, prompts, conts, e.max_new_tokens, target.tokenizer.eos_token_id
+        target.model, proposers, prompts, conts, e.max_new_tokens, target.tokenizer.eos_token_id, lanes=e.replay_lanes
     )
     results = {name: finish_result(Result(name=name, outputs=outputs[name]), stats[name]) for name in proposers}
     timings = {

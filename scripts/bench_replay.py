@@ -72,7 +72,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     stats, outputs, trace_s = replay_many(
-        target.model, {m.name: m.proposer for m in methods}, prompts, conts, e.max_new_tokens, eos
+        target.model, {m.name: m.proposer for m in methods}, prompts, conts, e.max_new_tokens, eos, lanes=e.replay_lanes
     )
     t_replay = time.perf_counter() - t0
 

@@ -191,6 +191,10 @@ class EvalConfig:
     run dir's replay/)."""
     replay_batch_size: int = 16
     """Batch size for generating the continuations."""
+    replay_lanes: int = 32
+    """Prompts replayed at once, the drafters' linear layers batched across them (eval/lanes.py: each weight is
+    read once per round instead of once per prompt; same trajectories). 1 = one prompt at a time. Also used by
+    the training-time checks."""
     bootstrap: int = 2000
     """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
     temperature: float = 0.0

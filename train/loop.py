@@ -424,7 +424,9 @@ class Trainer:
 
         cache = ContinuationCache(Path(cfg.synth_dir) / "replay", self.target.fingerprint)
         conts = cache.get(self.target.model, [p.input_ids for p in prompts], n_tok, self.target.tokenizer.pad_token_id)
-        per, _, _ = replay_many(self.target.model, {"drafter": proposer}, prompts, conts, n_tok, eos, desc=desc)
+        per, _, _ = replay_many(
+            self.target.model, {"drafter": proposer}, prompts, conts, n_tok, eos, desc=desc, lanes=cfg.eval.replay_lanes
+        )
         res = finish_result(Result(name="drafter"), per["drafter"])
         return {
             src: {"tau": s.tau(), "alpha": s.alpha(), "tau_ci": list(bootstrap_tau_ci(res.per_prompt[src]))}

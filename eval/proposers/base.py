@@ -35,6 +35,7 @@ Cai et al. 2024 (Medusa); Li et al. 2024 (EAGLE, EAGLE-2) and 2025 (EAGLE-3).
 
 from __future__ import annotations
 
+import copy
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -91,6 +92,12 @@ class Proposer(ABC):
         self.temperature = temperature
         self.top_p = top_p
         self.generator = generator
+
+    def fork(self) -> Proposer:
+        """A copy for replaying another prompt concurrently (:mod:`eval.lanes`): it shares the weights and the settings,
+        and :meth:`begin` gives it its own per-generation state. Override when ``begin`` does not reset every
+        mutable attribute."""
+        return copy.copy(self)
 
     forced_tokens: list[int] | None = None
     """Analysis hook (``eval.replay.expected_acceptance``): when set, :meth:`draft_token` drafts these tokens in

@@ -96,7 +96,8 @@ def _same(a: DecodeStats, b: DecodeStats) -> None:
 @pytest.mark.parametrize("family", list(FAMILY_KW))
 def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, family: str) -> None:
     from eval.decoder import SpeculativeDecoder
-    from eval.replay import replay, trace_target
+    from eval.heldout import Prompt
+    from eval.replay import replay, replay_many, trace_target
     from train.drafters import registry
 
     prompts, conts = traffic
@@ -105,12 +106,14 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
     base = {"chain_k": 4, "tree_depth": 4, "tree_top_k": 3, "tree_total_tokens": 10, **FAMILY_KW[family]}
     module = _fit(spec, spec.config_cls(**base), target, prompts, conts)
     deepest = 0
+    refs = {}
     for mode in ("chain", "tree"):
         cfg = spec.config_cls(decode=mode, **base)
-        for p, c in zip(prompts, conts, strict=True):
+        for i, (p, c) in enumerate(zip(prompts, conts, strict=True)):
             ref = SpeculativeDecoder(target.model, spec.proposer(module, target.model, cfg)).generate(
                 torch.tensor([p]), MAX_NEW, eos
             )
+            refs[mode, i] = ref
             prop = spec.proposer(module, target.model, cfg)
             trace = trace_target(target.model, p, c, prop.aux_hidden_layers, prop.needs_hidden_states)
             tokens, stats = replay(prop, trace, MAX_NEW, eos)
@@ -118,6 +121,15 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
             _same(stats, ref.stats)
             deepest = max(deepest, max(stats.accepted_lengths, default=0))
     assert deepest >= 3, f"{family}: the fitted drafter should accept deep drafts (deepest {deepest})"
+
+    # lockstep lanes (eval/lanes.py): every prompt and both modes at once, linear layers batched across them
+    prop_of = {m: spec.proposer(module, target.model, spec.config_cls(decode=m, **base)) for m in ("chain", "tree")}
+    held = [Prompt("t", str(i), p) for i, p in enumerate(prompts)]
+    per, outputs, _ = replay_many(target.model, prop_of, held, conts, MAX_NEW, eos, lanes=len(prompts))
+    for mode in prop_of:
+        for i in range(len(prompts)):
+            assert outputs[mode][f"t:{i}"] == refs[mode, i].tokens, (family, mode, i)
+            _same(per[mode]["t"][i], refs[mode, i].stats)
 
 
 def test_prompt_lookup_replay_equals_decode(target, traffic) -> None:
