@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from data.generate import continuous_generate
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
 from data.split import check_data, select
@@ -40,6 +41,8 @@ from train.config import Config, ConfigError, SynthConfig
 from train.manifest import read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
+
+ENGINES = ("hf", "hf_generate")
 
 
 @dataclass
@@ -78,6 +81,8 @@ def validate_synth(cfg: SynthConfig) -> None:
         errors.append(f"synth.temperature={cfg.temperature} must be >= 0 (0 = greedy)")
     if not 0 < cfg.top_p <= 1:
         errors.append(f"synth.top_p={cfg.top_p} must be in (0, 1]")
+    if cfg.engine not in ENGINES:
+        errors.append(f"synth.engine={cfg.engine!r} must be one of {', '.join(ENGINES)}")
     if cfg.batch_size < 1 or cfg.chunk_size < 1:
         errors.append("synth.batch_size and synth.chunk_size must be >= 1")
     if cfg.num_shards < 1:
@@ -121,6 +126,47 @@ def generate_batch(target: Target, prompts: list[list[int]], cfg: SynthConfig) -
     return results, int(input_ids.numel() - attn.sum().item())
 
 
+def _generate_continuous(
+    target: Target,
+    jobs: list[TurnJob],
+    cfg: SynthConfig,
+    stats: ChunkStats,
+    gen_ids: list[list[list[int]]],
+    answers: list[list[str]],
+    bar: tqdm | None,
+) -> None:
+    """One turn of every job through the continuous-batching engine (data/generate.py); results in job order."""
+    tok = target.tokenizer
+
+    made = [stats.generated_tokens]
+
+    def progress(_i: int, out: list[int]) -> None:
+        made[0] += len(out)
+        if bar is not None:
+            bar.update(1)
+            rate = made[0] / max(stats.gen_seconds + time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+
+    t0 = time.perf_counter()
+    outs, _ = continuous_generate(
+        target.model,
+        [j.ids for j in jobs],
+        cfg.max_new_tokens,
+        eos_token_id=tok.eos_token_id,
+        batch_size=cfg.batch_size,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        on_finish=progress,
+    )
+    stats.gen_seconds += time.perf_counter() - t0
+    for job, out in zip(jobs, outs, strict=True):
+        gen_ids[job.conv].append(out)
+        answers[job.conv].append(tok.decode(out, skip_special_tokens=True))
+        stats.prompt_tokens += len(job.ids)
+        stats.generated_tokens += len(out)
+        stats.turns += 1
+
+
 def _history(conv: Conversation, answers: list[str], upto_user: int) -> list[dict[str, str]]:
     """Messages up to and including user turn ``upto_user`` (0-based), with the target's own answers
     in place of the original assistant turns before it."""
@@ -161,6 +207,9 @@ def synth_chunk(
                 continue
             jobs.append(TurnJob(i, ids))
         jobs.sort(key=lambda j: len(j.ids))  # length buckets: neighbours in length share a batch
+        if cfg.engine == "hf":
+            _generate_continuous(target, jobs, cfg, stats, gen_ids, answers, bar)
+            continue
         for b in range(0, len(jobs), cfg.batch_size):
             batch = jobs[b : b + cfg.batch_size]
             t0 = time.perf_counter()

@@ -36,8 +36,6 @@ attention layers cannot be rolled back this way and raise ``NotImplementedError`
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -45,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from data.generate import model_forward, new_cache
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer, TargetOutput
 from eval.sampling import logits_to_probs, sample_from_probs, verify_tree
@@ -72,56 +70,6 @@ TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # ----------------------------------------------------------------------------------------------
 # transformers plumbing
 # ----------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=64)
-def _cache_kwarg_for(cls: type) -> str:
-    params = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """Name of the KV-cache kwarg: ``cache`` in recent 5.x, ``past_key_values`` before."""
-    return _cache_kwarg_for(type(model))
-
-
-def model_forward(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    cache: Any,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    output_hidden_states: bool = False,
-    logits_to_keep: int | torch.Tensor | None = None,
-) -> Any:
-    """One HF causal-LM forward with a KV cache (works with ``cache=`` and ``past_key_values=``).
-
-    Args:
-        input_ids: ``[B, n]``.
-        cache: a ``DynamicCache`` (updated in place), or None for a forward without one.
-        position_ids: optional ``[B, n]``.
-        attention_mask: optional ``[B, n_past + n]`` 2D or ``[B, 1, n, n_past + n]`` 4D mask.
-        logits_to_keep: only these positions' logits (an int keeps the last ones; a tensor lists positions).
-    """
-    kwargs: dict[str, Any] = (
-        {_cache_kwarg(model): cache, "use_cache": True} if cache is not None else {"use_cache": False}
-    )
-    if logits_to_keep is not None:
-        kwargs["logits_to_keep"] = logits_to_keep
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    if output_hidden_states:
-        kwargs["output_hidden_states"] = True
-    return model(input_ids=input_ids, **kwargs)
-
-
-def _new_cache(model: torch.nn.Module) -> DynamicCache:
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # very old signature
-        return DynamicCache()
 
 
 def _kv_layers(cache: Any) -> list[Any]:
@@ -311,7 +259,7 @@ class SpeculativeDecoder:
         device = _model_device(self.target)
         prompt = input_ids[0].to(device)
         state = DecodeState(
-            cache=_new_cache(self.target),
+            cache=new_cache(self.target),
             context=prompt.clone(),
             prompt_len=int(prompt.numel()),
             max_new_tokens=int(max_new_tokens),
@@ -470,7 +418,7 @@ def plain_decode(
     stats = DecodeStats(n_sequences=1)
     t_start = time.perf_counter()
     device = _model_device(target)
-    cache = _new_cache(target)
+    cache = new_cache(target)
     tokens: list[int] = []
     next_input = input_ids.to(device)
     while len(tokens) < max_new_tokens:

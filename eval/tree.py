@@ -242,6 +242,31 @@ def _stable_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return vals[:k], cand[order[:k]]
 
 
+def _stable_topk_rows(values: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """:func:`_stable_topk` of every row of a 2-D tensor (same result), with one ``topk`` for all rows.
+
+    Rows whose k-th largest value is tied with a value outside the top k (rare with float log-probs) take the
+    one-row path; for the others the top k are exactly the entries >= the k-th value, ordered by value, then index.
+    """
+    k = min(k, values.shape[-1])
+    if k <= 0:
+        return [[] for _ in range(values.shape[0])], [[] for _ in range(values.shape[0])]
+    top_v, top_i = values.topk(k, dim=-1)
+    exact = (values >= top_v[:, -1:]).sum(-1) == k
+    out_v: list[list[float]] = []
+    out_i: list[list[int]] = []
+    for r, (tv, ti, ok) in enumerate(zip(top_v.tolist(), top_i.tolist(), exact.tolist(), strict=True)):
+        if ok:
+            pairs = sorted(zip(tv, ti, strict=True), key=lambda p: (-p[0], p[1]))
+            out_v.append([v for v, _ in pairs])
+            out_i.append([i for _, i in pairs])
+        else:
+            v, i = _stable_topk(values[r], k)
+            out_v.append(v.tolist())
+            out_i.append(i.tolist())
+    return out_v, out_i
+
+
 def static_tree(paths: Sequence[Sequence[int]], expand_fn: ExpandFn, root_logprobs: torch.Tensor) -> DraftTree:
     """Fill a static (Medusa-style) tree with tokens, level by level.
 
@@ -341,9 +366,9 @@ def dynamic_tree(
         if lps.shape[0] != len(frontier):
             raise ValueError(f"expand_fn returned {lps.shape[0]} rows for {len(frontier)} nodes")
         new_nodes: list[int] = []
-        for r, node in enumerate(frontier):
-            vals, idx = _stable_topk(lps[r], min(top_k, lps.shape[-1]))
-            for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
+        row_vals, row_idx = _stable_topk_rows(lps, top_k)
+        for node, vals_r, idx_r in zip(frontier, row_vals, row_idx, strict=True):
+            for v, t in zip(vals_r, idx_r, strict=True):
                 if v == float("-inf"):
                     continue
                 new_nodes.append(len(tokens))

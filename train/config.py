@@ -89,7 +89,11 @@ class SynthConfig:
     """0 means greedy decoding."""
     top_p: float = 1.0
     batch_size: int = 16
-    """Prompts decoded together (length-bucketed, left-padded)."""
+    """Rows decoded together: engine=hf keeps this many rows in its batch (continuous batching); engine=hf_generate
+    decodes length-sorted, left-padded batches of this size."""
+    engine: str = "hf"
+    """hf: continuous batching on the HF target (data/generate.py: every prompt prefilled alone, finished rows
+    replaced at once) | hf_generate: transformers' ``generate`` on padded batches (the reference path)."""
     chunk_size: int = 64
     """Conversations per output file; the unit of atomic writes and of resume."""
     num_shards: int = 1

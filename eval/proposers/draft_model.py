@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from eval.decoder import TREE_ATTN_IMPLEMENTATIONS, _new_cache, crop_cache, model_forward
+from eval.decoder import TREE_ATTN_IMPLEMENTATIONS, crop_cache, model_forward, new_cache
 from eval.proposers.base import Proposer, TargetOutput
 from eval.tree import DraftTree, chain, dynamic_tree, static_tree, tree_attention_mask, tree_depths
 
@@ -183,14 +183,14 @@ class DraftModelProposer(Proposer):
 
     def begin(self, prompt_ids: torch.Tensor, target_out: TargetOutput) -> None:
         """Reset the draft cache (the prompt is prefilled lazily at the first ``propose``)."""
-        self._cache = _new_cache(self.draft)
+        self._cache = new_cache(self.draft)
         self._cached = []
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor) -> DraftTree:
         """Chain or tree draft below ``context[-1]`` (see module docstring)."""
         if self._cache is None:  # propose() without begin(): start from an empty cache
-            self._cache = _new_cache(self.draft)
+            self._cache = new_cache(self.draft)
             self._cached = []
         ctx = context.reshape(-1).tolist()
         logits = self._sync(ctx)

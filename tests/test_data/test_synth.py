@@ -47,9 +47,11 @@ def test_loss_mask_marks_exactly_the_assistant_tokens(target) -> None:
     assert cut_ids == ids[:12] and cut_mask == mask[:12]
 
 
-def test_greedy_synth_equals_the_targets_own_generate(target) -> None:
-    """Batched, left-padded, length-bucketed synth == one-prompt greedy ``generate`` (multi-turn too)."""
-    cfg = compose(["synth.max_new_tokens=12", "synth.batch_size=3"])
+@pytest.mark.parametrize("engine", ["hf", "hf_generate"])
+def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> None:
+    """Synth == one-prompt greedy ``generate`` (multi-turn too), with continuous batching (3 rows for 4 prompts:
+    a finished row's slot is refilled) and with padded ``generate`` batches."""
+    cfg = compose(["synth.max_new_tokens=12", "synth.batch_size=3", f"synth.engine={engine}"])
     convs = [
         Conversation(
             "a",

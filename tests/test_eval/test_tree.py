@@ -174,3 +174,20 @@ def test_static_tree_fills_tokens_by_rank() -> None:
     assert tree.tokens.tolist() == [0, 1, 3, 4, 3, 0]
     assert expand.calls == [[0, 1], [2]]
     torch.testing.assert_close(tree.scores.exp(), torch.tensor([0.5, 0.3, 0.32, 0.18, 0.27, 0.224]))
+
+
+def test_row_topk_equals_the_one_row_stable_topk_with_ties() -> None:
+    """dynamic_tree's batched top-k (one topk for all expanded nodes) gives exactly the one-row result, ties
+    included (lower index first), also at the k-th boundary and with -inf entries."""
+    from eval.tree import _stable_topk, _stable_topk_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 50, generator=g).round(decimals=1)  # many exact ties
+    rows[1, :] = 0.5  # all tied
+    rows[2, 10:] = float("-inf")  # fewer finite entries than some k
+    rows[3, [3, 7, 9]] = 9.0  # a tie inside the top k
+    for k in (1, 3, 4, 12, 50):
+        vals, idx = _stable_topk_rows(rows, k)
+        for r in range(rows.shape[0]):
+            v1, i1 = _stable_topk(rows[r], k)
+            assert idx[r] == i1.tolist() and vals[r] == v1.tolist(), (k, r)
