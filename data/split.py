@@ -93,6 +93,9 @@ def check_data(data: DataConfig) -> None:
         raise ConfigError(f"data.heldout_fraction={data.heldout_fraction} must be in [0, 1)")
     if data.num_prompts is not None and data.num_prompts < 1:
         raise ConfigError(f"data.num_prompts={data.num_prompts} must be >= 1 (or null: every conversation)")
+    for name, src in data.sources.items():
+        if src.regenerate is not None and not 0.0 <= src.regenerate <= 1.0:
+            raise ConfigError(f"data.sources.{name}.regenerate={src.regenerate} must be in [0, 1] (or null)")
     source_quotas(data)
     check_sources(data)
 

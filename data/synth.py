@@ -34,10 +34,10 @@ from tqdm import tqdm
 from data.generate import continuous_generate
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
-from data.split import check_data, select
+from data.split import check_data, heldout_score, select
 from data.target import Target, load_target, require_chat_template
 from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from train.config import Config, ConfigError, SynthConfig
+from train.config import Config, ConfigError, DataConfig, SynthConfig
 from train.manifest import read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -62,10 +62,23 @@ class ChunkStats:
     padded_tokens: int = 0
     gen_seconds: float = 0.0
     rows_truncated: int = 0
+    rows_regenerated: int = 0
+    rows_original: int = 0
+    original_target_tokens: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: ChunkStats) -> None:
-        for k in ("conversations", "turns", "prompt_tokens", "generated_tokens", "padded_tokens", "rows_truncated"):
+        for k in (
+            "conversations",
+            "turns",
+            "prompt_tokens",
+            "generated_tokens",
+            "padded_tokens",
+            "rows_truncated",
+            "rows_regenerated",
+            "rows_original",
+            "original_target_tokens",
+        ):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.gen_seconds += other.gen_seconds
         for k, v in other.skipped.items():
@@ -185,16 +198,36 @@ def _history(conv: Conversation, answers: list[str], upto_user: int) -> list[dic
     return out
 
 
+def regenerate_flags(data: DataConfig, synth: SynthConfig, convs: list[Conversation]) -> list[bool]:
+    """Which conversations the target regenerates (``data.sources.<name>.regenerate`` share, by a salted hash of
+    the id, so the choice does not depend on chunking, shards or order); the others keep their own answers."""
+    flags = []
+    for c in convs:
+        share = data.sources[c.source].regenerate if c.source in data.sources else None
+        if share is None:
+            flags.append(synth.regenerate)
+        else:
+            flags.append(heldout_score(c.source, c.id, data.split_salt + "/regenerate") < share)
+    return flags
+
+
 def synth_chunk(
-    target: Target, convs: list[Conversation], cfg: SynthConfig, max_prompt_tokens: int, bar: tqdm | None
+    target: Target,
+    convs: list[Conversation],
+    cfg: SynthConfig,
+    max_prompt_tokens: int,
+    bar: tqdm | None,
+    regenerate: list[bool] | None = None,
 ) -> tuple[list[dict[str, Any]], ChunkStats]:
-    """Regenerate every assistant turn of ``convs``, turn by turn, in length-bucketed batches."""
+    """Regenerate every assistant turn of ``convs`` (those with ``regenerate[i]``; default: ``cfg.regenerate``
+    for all), turn by turn; the others keep the dataset's own answers."""
     tok = target.tokenizer
     stats = ChunkStats(conversations=len(convs))
     answers: list[list[str]] = [[] for _ in convs]
     gen_ids: list[list[list[int]]] = [[] for _ in convs]
-    alive = [True] * len(convs)
-    max_turns = max((c.num_user_turns() for c in convs), default=0) if cfg.regenerate else 0
+    regen = list(regenerate) if regenerate is not None else [cfg.regenerate] * len(convs)
+    alive = list(regen)
+    max_turns = max((c.num_user_turns() for c, r in zip(convs, regen, strict=True) if r), default=0)
     for turn in range(max_turns):
         jobs: list[TurnJob] = []
         for i, conv in enumerate(convs):
@@ -228,7 +261,7 @@ def synth_chunk(
                 bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
     rows: list[dict[str, Any]] = []
     for i, conv in enumerate(convs):
-        if cfg.regenerate:
+        if regen[i]:
             if not answers[i]:
                 continue
             messages = _history(conv, answers[i], len(answers[i]) - 1)
@@ -243,6 +276,11 @@ def synth_chunk(
         ids, mask = conversation_ids_and_mask(tok, messages, cfg.max_seq_len)
         if len(ids) == cfg.max_seq_len:
             stats.rows_truncated += 1
+        if regen[i]:
+            stats.rows_regenerated += 1
+        else:
+            stats.rows_original += 1
+            stats.original_target_tokens += int(sum(mask))
         rows.append(
             {
                 "id": conv.id,
@@ -252,6 +290,7 @@ def synth_chunk(
                 "loss_mask": mask,
                 "gen_token_ids": gen_ids[i],
                 "num_target_tokens": int(sum(mask)),
+                "regenerated": bool(regen[i]),
             }
         )
     return rows, stats
@@ -281,8 +320,14 @@ def plan_hash(cfg: Config, fingerprint: str, ids: list[tuple[str, str]]) -> str:
     synth = asdict(cfg.synth)
     for k in ("num_shards", "shard_index", "batch_size"):
         synth.pop(k)
+    if cfg.synth.temperature == 0:
+        synth.pop("engine")  # greedy rows are the same with every engine
+    data = asdict(cfg.data)
+    for src in data["sources"].values():
+        if src.get("regenerate") is None:
+            src.pop("regenerate", None)  # unset: hashes as before the setting existed
     blob = json.dumps(
-        {"data": asdict(cfg.data), "synth": synth, "target": fingerprint, "ids": ids, "seed": cfg.seed}, sort_keys=True
+        {"data": data, "synth": synth, "target": fingerprint, "ids": ids, "seed": cfg.seed}, sort_keys=True
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -376,7 +421,8 @@ def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
     ) as bar:
         for i in todo:
             torch.manual_seed(cfg.seed * 1_000_003 + i)  # sampling is reproducible per chunk, across resumes
-            rows, stats = synth_chunk(target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar)
+            flags = regenerate_flags(cfg.data, cfg.synth, chunks[i])
+            rows, stats = synth_chunk(target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar, flags)
             atomic_write_json(stats_path(out, i), asdict(stats))  # before the chunk: a chunk implies its stats
             write_rows(chunk_path(out, i), rows)
     if any(not chunk_path(out, i).is_file() for i in range(len(chunks))):
@@ -419,6 +465,9 @@ def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any
             "generated_tokens": total.generated_tokens,
             "padding_tokens": total.padded_tokens,
             "rows_truncated": total.rows_truncated,
+            "rows_regenerated": total.rows_regenerated,
+            "rows_original": total.rows_original,
+            "original_target_tokens": total.original_target_tokens,
             "available": plan["available"],
         },
         skipped=skipped,

@@ -53,6 +53,10 @@ class SourceConfig:
     """For kind=jsonl: JSONL or Parquet files with OpenAI-style ``messages`` lists or ``prompt`` strings."""
     max_records: int | None = None
     """Read at most this many records from the source (None: all)."""
+    regenerate: float | None = None
+    """Share of this source's training conversations whose answers the target regenerates in stage synth (picked
+    by a salted hash of the id); the others keep the dataset's own answers, which cost no generation, only the
+    one target forward every row gets for its features. None: all of them when synth.regenerate, else none."""
 
 
 @dataclass

@@ -171,3 +171,33 @@ def test_kill_resume_and_shards_give_the_same_dataset(tmp_path: Path, run_env: d
     clash = _synth(ref_dir, run_env, "synth.max_new_tokens=9")
     out, _ = clash.communicate(timeout=600)
     assert clash.returncode != 0 and "different config" in out
+
+
+def test_mixed_regenerated_and_original_answers(target) -> None:
+    """data.sources.<name>.regenerate picks, by hashed id, which conversations the target answers; the others
+    keep the dataset's own answers (no generation) and are counted apart."""
+    from data.synth import regenerate_flags
+
+    cfg = compose(
+        ["synth.max_new_tokens=6", "synth.batch_size=4", "data=sharegpt", "data.sources.sharegpt.regenerate=0.5"]
+    )
+    convs = [
+        Conversation(
+            f"c{i}",
+            "sharegpt",
+            [{"role": "user", "content": f"Name a colour number {i}."}, {"role": "assistant", "content": f"orig {i}"}],
+        )
+        for i in range(12)
+    ]
+    flags = regenerate_flags(cfg.data, cfg.synth, convs)
+    assert 0 < sum(flags) < len(flags)
+    assert regenerate_flags(cfg.data, cfg.synth, convs[::-1]) == flags[::-1]  # by id, not by position
+    rows, stats = synth_chunk(target, convs, cfg.synth, 512, None, flags)
+    assert stats.rows_regenerated == sum(flags) and stats.rows_original == len(flags) - sum(flags)
+    assert stats.turns == sum(flags)  # nothing generated for the original rows
+    for conv, flag, row in zip(convs, flags, rows, strict=True):
+        assert row["regenerated"] is flag
+        answer = row["messages"][-1]["content"]
+        assert (answer == conv.messages[-1]["content"]) is (not flag)
+        assert bool(row["gen_token_ids"]) is flag
+    assert stats.original_target_tokens == sum(r["num_target_tokens"] for r in rows if not r["regenerated"])
