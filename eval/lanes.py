@@ -149,9 +149,10 @@ def _routed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return b.call(module, x)
 
 
-def batchable_linears(proposer: Any) -> list[nn.Linear]:
-    """Every ``nn.Linear`` a proposer can call: those of the modules it holds (attributes that are modules, or
-    bound methods of modules such as ``head.full_logits``)."""
+def batchable_linears(proposer: Any, min_weight_numel: int = 0) -> list[nn.Linear]:
+    """Every ``nn.Linear`` a proposer can call with at least ``min_weight_numel`` weights: those of the modules it
+    holds (attributes that are modules, or bound methods of modules such as ``head.full_logits``). Smaller layers
+    run in their lane directly (no barrier)."""
     roots: list[nn.Module] = []
     for v in vars(proposer).values():
         owner = getattr(v, "__self__", None)
@@ -161,7 +162,8 @@ def batchable_linears(proposer: Any) -> list[nn.Linear]:
     seen: dict[int, nn.Linear] = {}
     for r in roots:
         for m in r.modules():
-            if type(m) is nn.Linear:  # subclasses (quantised layers, LoRA) may compute differently: left alone
+            # subclasses (quantised layers, LoRA) may compute differently: left alone
+            if type(m) is nn.Linear and m.weight.numel() >= min_weight_numel:
                 seen.setdefault(id(m), m)
     return list(seen.values())
 

@@ -366,6 +366,10 @@ def union_hidden_layers(proposers: Sequence[Proposer]) -> tuple[bool, list[int]]
     return need, layers
 
 
+LANE_MIN_WEIGHTS = 0
+"""Linear layers with fewer weights than this run in their lane directly instead of through the batcher."""
+
+
 def replay_many(
     target_model: torch.nn.Module,
     proposers: dict[str, Proposer],
@@ -388,7 +392,7 @@ def replay_many(
     from eval.lanes import LaneBatcher, batchable_linears, batched_linears
 
     need, layers = union_hidden_layers(list(proposers.values()))
-    linears = {name: batchable_linears(p) for name, p in proposers.items()} if lanes > 1 else {}
+    linears = {name: batchable_linears(p, LANE_MIN_WEIGHTS) for name, p in proposers.items()} if lanes > 1 else {}
     laned = [name for name in proposers if linears.get(name)]
     per_prompt: list[dict[str, tuple[list[int], DecodeStats]]] = [{} for _ in prompts]
     trace_s = 0.0
