@@ -25,7 +25,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +48,6 @@ class GenerationStats:
     """Rows x decode steps: generated tokens / decode slots is the batch's occupancy."""
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    admitted_per_step: list[int] = field(default_factory=list, repr=False)
 
     @property
     def seconds(self) -> float:
@@ -220,7 +219,6 @@ def continuous_generate(
                 (torch.cat([p[layer][0] for p in parts]), torch.cat([p[layer][1] for p in parts]))
                 for layer in range(len(parts[0]))
             ]
-        stats.admitted_per_step.append(len(admitted))
         if not rows:
             continue
         # one decode step for every row
