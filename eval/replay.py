@@ -440,6 +440,7 @@ def replay_many(
             threads = [threading.Thread(target=lane_main, name=f"replay-lane-{j}", daemon=True) for j in range(n_lanes)]
             for t in threads:
                 t.start()
+            queued = finished = 0
             try:
                 for i, (p, cont) in enumerate(zip(prompts, continuations, strict=True)):
                     if errors:
@@ -448,7 +449,13 @@ def replay_many(
                     trace_s += trace.seconds
                     direct(i, trace, others)
                     work.put((i, trace))
+                    queued += 1
                     while done.acquire(blocking=False):
+                        finished += 1
+                        bar.update(1)
+                while finished < queued and not errors:  # the lanes' last prompts: keep the bar moving
+                    if done.acquire(timeout=1.0):
+                        finished += 1
                         bar.update(1)
             finally:
                 for _ in threads:
@@ -457,8 +464,7 @@ def replay_many(
                     t.join()
         if errors:
             raise errors[0]
-        bar.n = len(prompts)
-        logger.info("replay lanes: %d rounds, %d products, %d rows", batcher.rounds, batcher.products, batcher.rows)
+        logger.debug("replay lanes: %d rounds, %d products, %d rows", batcher.rounds, batcher.products, batcher.rows)
     bar.close()
     stats: dict[str, dict[str, list[DecodeStats]]] = {name: {} for name in proposers}
     outputs: dict[str, dict[str, list[int]]] = {name: {} for name in proposers}
