@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,18 +68,9 @@ class ChunkStats:
     skipped: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: ChunkStats) -> None:
-        for k in (
-            "conversations",
-            "turns",
-            "prompt_tokens",
-            "generated_tokens",
-            "padded_tokens",
-            "rows_truncated",
-            "rows_regenerated",
-            "rows_original",
-            "original_target_tokens",
-        ):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
+        for f in fields(self):
+            if f.type in ("int", int):
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.gen_seconds += other.gen_seconds
         for k, v in other.skipped.items():
             self.skipped[k] = self.skipped.get(k, 0) + v
@@ -173,11 +164,18 @@ def _generate_continuous(
     )
     stats.gen_seconds += time.perf_counter() - t0
     for job, out in zip(jobs, outs, strict=True):
-        gen_ids[job.conv].append(out)
-        answers[job.conv].append(tok.decode(out, skip_special_tokens=True))
-        stats.prompt_tokens += len(job.ids)
-        stats.generated_tokens += len(out)
-        stats.turns += 1
+        _record(tok, job, out, stats, gen_ids, answers)
+
+
+def _record(
+    tok: Any, job: TurnJob, out: list[int], stats: ChunkStats, gen_ids: list[list[list[int]]], answers: list[list[str]]
+) -> None:
+    """Keep one generated turn: its tokens, its text (the next turn's history) and the counters."""
+    gen_ids[job.conv].append(out)
+    answers[job.conv].append(tok.decode(out, skip_special_tokens=True))
+    stats.prompt_tokens += len(job.ids)
+    stats.generated_tokens += len(out)
+    stats.turns += 1
 
 
 def _history(conv: Conversation, answers: list[str], upto_user: int) -> list[dict[str, str]]:
@@ -250,11 +248,7 @@ def synth_chunk(
             stats.gen_seconds += time.perf_counter() - t0
             stats.padded_tokens += padded
             for job, out in zip(batch, outs, strict=True):
-                gen_ids[job.conv].append(out)
-                answers[job.conv].append(tok.decode(out, skip_special_tokens=True))
-                stats.prompt_tokens += len(job.ids)
-                stats.generated_tokens += len(out)
-                stats.turns += 1
+                _record(tok, job, out, stats, gen_ids, answers)
             if bar is not None:
                 bar.update(len(batch))
                 rate = stats.generated_tokens / max(stats.gen_seconds, 1e-9)
