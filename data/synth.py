@@ -35,14 +35,16 @@ from data.generate import continuous_generate
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
 from data.split import check_data, heldout_score, select
-from data.target import Target, load_target, require_chat_template
+from data.target import Target, load_target, require_chat_template, resolve_target_path
+from data.vllm_engine import VLLMEngine, find_engine_python
 from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from train.config import Config, ConfigError, DataConfig, SynthConfig
 from train.manifest import read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("hf", "hf_generate")
+ENGINES = ("hf", "hf_generate", "vllm", "auto")
+VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 @dataclass
@@ -65,6 +67,10 @@ class ChunkStats:
     rows_regenerated: int = 0
     rows_original: int = 0
     original_target_tokens: int = 0
+    engine: str = ""
+    """The engine that generated the chunk (hf, hf_generate or vllm)."""
+    engine_start_seconds: float = 0.0
+    """Starting the engine (vLLM's worker), counted on the first chunk a process writes."""
     skipped: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: ChunkStats) -> None:
@@ -72,6 +78,7 @@ class ChunkStats:
             if f.type in ("int", int):
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.gen_seconds += other.gen_seconds
+        self.engine_start_seconds += other.engine_start_seconds
         for k, v in other.skipped.items():
             self.skipped[k] = self.skipped.get(k, 0) + v
 
@@ -87,6 +94,8 @@ def validate_synth(cfg: SynthConfig) -> None:
         errors.append(f"synth.top_p={cfg.top_p} must be in (0, 1]")
     if cfg.engine not in ENGINES:
         errors.append(f"synth.engine={cfg.engine!r} must be one of {', '.join(ENGINES)}")
+    if cfg.vllm_dtype not in VLLM_DTYPES:
+        errors.append(f"synth.vllm_dtype={cfg.vllm_dtype!r} must be one of {', '.join(VLLM_DTYPES)}")
     if cfg.batch_size < 1 or cfg.chunk_size < 1:
         errors.append("synth.batch_size and synth.chunk_size must be >= 1")
     if cfg.num_shards < 1:
@@ -167,6 +176,36 @@ def _generate_continuous(
         _record(tok, job, out, stats, gen_ids, answers)
 
 
+def request_seed(seed: int, conv: Conversation, turn: int) -> int:
+    """Sampling seed of one request for the vLLM engine: fixed by the run seed, conversation and turn, so a
+    resumed or resharded chunk samples the same rows."""
+    h = hashlib.sha256(f"{seed}/{conv.source}/{conv.id}/{turn}".encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def _generate_vllm(
+    engine: VLLMEngine,
+    tok: Any,
+    jobs: list[TurnJob],
+    seeds: list[int],
+    cfg: SynthConfig,
+    stats: ChunkStats,
+    gen_ids: list[list[list[int]]],
+    answers: list[list[str]],
+    bar: tqdm | None,
+) -> None:
+    """One turn of every job as one ``LLM.generate`` call (vLLM batches and refills by itself)."""
+    outs, seconds = engine.generate(
+        [j.ids for j in jobs], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds
+    )
+    stats.gen_seconds += seconds
+    for job, out in zip(jobs, outs, strict=True):
+        _record(tok, job, out, stats, gen_ids, answers)
+    if bar is not None:
+        bar.update(len(jobs))
+        bar.set_postfix(tok_s=f"{stats.generated_tokens / max(stats.gen_seconds, 1e-9):.1f}", refresh=False)
+
+
 def _record(
     tok: Any, job: TurnJob, out: list[int], stats: ChunkStats, gen_ids: list[list[list[int]]], answers: list[list[str]]
 ) -> None:
@@ -216,11 +255,19 @@ def synth_chunk(
     max_prompt_tokens: int,
     bar: tqdm | None,
     regenerate: list[bool] | None = None,
+    vllm: VLLMEngine | None = None,
+    seed: int = 0,
 ) -> tuple[list[dict[str, Any]], ChunkStats]:
     """Regenerate every assistant turn of ``convs`` (those with ``regenerate[i]``; default: ``cfg.regenerate``
-    for all), turn by turn; the others keep the dataset's own answers."""
+    for all), turn by turn; the others keep the dataset's own answers.
+
+    ``vllm``: the running vLLM worker when the engine is vllm (``run_synth`` starts it once per stage); ``seed``
+    derives its per-request sampling seeds."""
     tok = target.tokenizer
-    stats = ChunkStats(conversations=len(convs))
+    engine = "vllm" if vllm is not None else ("hf_generate" if cfg.engine == "hf_generate" else "hf")
+    if cfg.engine == "vllm" and vllm is None:
+        raise ConfigError("synth.engine=vllm needs a running vLLM worker (data.vllm_engine.VLLMEngine)")
+    stats = ChunkStats(conversations=len(convs), engine=engine)
     answers: list[list[str]] = [[] for _ in convs]
     gen_ids: list[list[list[int]]] = [[] for _ in convs]
     regen = list(regenerate) if regenerate is not None else [cfg.regenerate] * len(convs)
@@ -238,7 +285,11 @@ def synth_chunk(
                 continue
             jobs.append(TurnJob(i, ids))
         jobs.sort(key=lambda j: len(j.ids))  # length buckets: neighbours in length share a batch
-        if cfg.engine == "hf":
+        if vllm is not None:
+            seeds = [request_seed(seed, convs[j.conv], turn) for j in jobs]
+            _generate_vllm(vllm, tok, jobs, seeds, cfg, stats, gen_ids, answers, bar)
+            continue
+        if engine == "hf":
             _generate_continuous(target, jobs, cfg, stats, gen_ids, answers, bar)
             continue
         for b in range(0, len(jobs), cfg.batch_size):
@@ -410,19 +461,55 @@ def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
         skips.total(),
     )
     n_turns = sum(min(c.num_user_turns(), cfg.data.max_turns) for i in todo for c in chunks[i])
-    with tqdm(
-        total=n_turns if cfg.synth.regenerate else 0, unit="turn", desc="synth", dynamic_ncols=True, mininterval=2.0
-    ) as bar:
-        for i in todo:
-            torch.manual_seed(cfg.seed * 1_000_003 + i)  # sampling is reproducible per chunk, across resumes
-            flags = regenerate_flags(cfg.data, cfg.synth, chunks[i])
-            rows, stats = synth_chunk(target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar, flags)
-            atomic_write_json(stats_path(out, i), asdict(stats))  # before the chunk: a chunk implies its stats
-            write_rows(chunk_path(out, i), rows)
+    engine = start_engine(cfg, target) if todo else None
+    try:
+        with tqdm(
+            total=n_turns if cfg.synth.regenerate else 0, unit="turn", desc="synth", dynamic_ncols=True, mininterval=2.0
+        ) as bar:
+            for n, i in enumerate(todo):
+                torch.manual_seed(cfg.seed * 1_000_003 + i)  # sampling is reproducible per chunk, across resumes
+                flags = regenerate_flags(cfg.data, cfg.synth, chunks[i])
+                rows, stats = synth_chunk(
+                    target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar, flags, vllm=engine, seed=cfg.seed
+                )
+                if engine is not None and n == 0:
+                    stats.engine_start_seconds = round(engine.start_seconds, 2)
+                atomic_write_json(stats_path(out, i), asdict(stats))  # before the chunk: a chunk implies its stats
+                write_rows(chunk_path(out, i), rows)
+    finally:
+        if engine is not None:
+            engine.close()
     if any(not chunk_path(out, i).is_file() for i in range(len(chunks))):
         logger.info("synth shard(s) %s done; other shards still running (then: python -m train stage=merge)", shards)
         return None
     return merge(cfg, out, elapsed=time.perf_counter() - t_start)
+
+
+def start_engine(cfg: Config, target: Target) -> VLLMEngine | None:
+    """Start the vLLM worker when ``synth.engine`` is vllm (or auto and one is found); None means the HF engine."""
+    sc = cfg.synth
+    if sc.engine not in ("vllm", "auto"):
+        return None
+    python = find_engine_python(sc.vllm_python)
+    if python is None:
+        if sc.engine == "auto":
+            logger.info("synth.engine=auto: no Python with vllm found; using the HF engine (continuous batching)")
+            return None
+        raise ConfigError(
+            "synth.engine=vllm but no Python that imports vllm was found: set synth.vllm_python (or "
+            "$DRAFTSMITH_VLLM_PYTHON) to one, build .venv-engine with scripts/engine_env.sh, or use synth.engine=hf"
+        )
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    need = cfg.data.max_prompt_tokens + max(cfg.data.max_turns, 1) * sc.max_new_tokens
+    return VLLMEngine(
+        resolve_target_path(cfg.target),
+        python=python,
+        dtype=sc.vllm_dtype,
+        enforce_eager=sc.vllm_eager,
+        max_model_len=min(need, limit) if limit else need,
+        seed=cfg.seed,
+        eos_token_id=target.tokenizer.eos_token_id,
+    )
 
 
 def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any]:
@@ -435,8 +522,11 @@ def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any
     if missing:
         raise RuntimeError(f"synth output in {out} is incomplete: chunks {missing[:10]} missing; rerun their shards")
     total = ChunkStats()
+    engines: set[str] = set()
     for i in range(plan["num_chunks"]):
-        total.add(ChunkStats(**json.loads(stats_path(out, i).read_text(encoding="utf-8"))))
+        st = ChunkStats(**json.loads(stats_path(out, i).read_text(encoding="utf-8")))
+        total.add(st)
+        engines.add(st.engine or "unrecorded")
     import pyarrow.parquet as pq
 
     rows = sum(pq.read_metadata(chunk_path(out, i)).num_rows for i in range(plan["num_chunks"]))
@@ -469,6 +559,8 @@ def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any
             "generation_seconds": round(total.gen_seconds, 3),
             "generated_tokens_per_second": round(total.generated_tokens / max(total.gen_seconds, 1e-9), 2),
             "stage_seconds": None if elapsed is None else round(elapsed, 3),
+            "engine": ",".join(sorted(engines)),
+            "engine_start_seconds": round(total.engine_start_seconds, 2),
         },
         files={"data": "data/chunk-*.parquet", "heldout": "heldout.jsonl"},
     )
@@ -482,10 +574,11 @@ def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any
         {"manifest": "manifest.json", **manifest["files"]},
     )
     logger.info(
-        "synth: %d rows, %d tokens generated at %.1f tok/s; skipped %s",
+        "synth: %d rows, %d tokens generated at %.1f tok/s (engine %s); skipped %s",
         rows,
         total.generated_tokens,
         manifest["timings"]["generated_tokens_per_second"],
+        manifest["timings"]["engine"],
         skipped,
     )
     return manifest

