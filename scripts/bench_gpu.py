@@ -4,6 +4,12 @@ finish in under 8 minutes on one H200 (one synth run shared by all families).
 
     python3 scripts/bench_gpu.py [--steps 150] [--families eagle,eagle3,medusa,standalone] [--peak-tflops 989]
     python3 scripts/bench_gpu.py --smoke      # the same plumbing on CPU at toy size (a test runs this)
+    python3 scripts/bench_gpu.py --synth-engines vllm,hf --families eagle3   # stage synth through vLLM vs HF
+
+``--synth-engines``: stage synth runs once per engine on the same 512 prompts x 256 tokens (vLLM: bf16,
+compiled, as ``experiment=gpu_node`` sets it; needs vllm importable, or ``DRAFTSMITH_VLLM_PYTHON``), and the
+report gives each engine's generated tokens/s from its manifest, the engine's start time, and how many rows
+equal the first engine's (bf16 may flip near-ties); the first engine's data trains the families.
 
 MFU counts the useful FLOPs per training step (an estimate, per sequence token unless noted): the frozen
 target forward (2 N_target, online features), the drafter's forward and backward (6 N_trainable; EAGLE-3 runs
@@ -36,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         "script itself, not the GPU; its MFU figures mean nothing",
     )
     ap.add_argument("--runs-root", default="runs")
+    ap.add_argument("--synth-engines", default="hf", help="comma list of stage synth engines to time (hf, vllm)")
     args = ap.parse_args(argv)
     runs = Path(args.runs_root)
     common = ["experiment=quickstart", f"run_name={args.run_name}", f"runs_root={runs}", "wandb.mode=disabled"]
@@ -47,18 +54,33 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         synth = ["data.num_prompts=16", "synth.batch_size=8", "synth.chunk_size=16", "synth.max_new_tokens=16"]
         train = ["train.dtype=float32", "train.micro_batch_size=2", "train.eval_prompts=1", "deepspeed=none"]
         train += ["train.eval_max_new_tokens=4", "train.warmup_steps=1"]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "train",
-            "stage=synth",
-            *common,
-            *synth,
-        ],
-        cwd=REPO,
-        check=True,
-    )
+    engines = [e for e in args.synth_engines.split(",") if e]
+    synth_report = {}
+    for n, engine in enumerate(engines):
+        extra = [f"synth.engine={engine}"]
+        if engine == "vllm" and not args.smoke:
+            extra += ["synth.vllm_dtype=bfloat16", "synth.vllm_eager=false"]
+        name = args.run_name if n == 0 else f"{args.run_name}_synth_{engine}"
+        subprocess.run(
+            [sys.executable, "-m", "train", "stage=synth", *common, f"run_name={name}", *synth, *extra],
+            cwd=REPO,
+            check=True,
+        )
+        synth_report[engine] = json.loads((REPO / runs / name / "synth" / "manifest.json").read_text())["timings"]
+    if len(engines) > 1:
+        from data.synth import load_synth_dataset
+
+        def outs(name: str) -> dict:
+            ds = load_synth_dataset(REPO / runs / name / "synth")
+            return {(r["source"], r["id"]): r["gen_token_ids"] for r in ds.to_list()}
+
+        ref = outs(args.run_name)
+        for engine in engines[1:]:
+            other = outs(f"{args.run_name}_synth_{engine}")
+            synth_report[engine]["rows_identical_to_" + engines[0]] = (
+                f"{sum(other.get(k) == v for k, v in ref.items())}/{len(ref)}"
+            )
+    print(json.dumps({"synth": synth_report}, indent=2), flush=True)
     from transformers import AutoConfig
 
     from data.target import resolve_target_path
@@ -116,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print(json.dumps(results, indent=2))
     (REPO / runs / args.run_name).mkdir(parents=True, exist_ok=True)
     (REPO / runs / args.run_name / "bench_gpu.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    (REPO / runs / args.run_name / "bench_gpu_synth.json").write_text(
+        json.dumps(synth_report, indent=2), encoding="utf-8"
+    )
     return results
 
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_gpu_smoke_trains_every_family(tmp_path: Path, run_env: dict[str, str]) -> None:
     cmd = [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--smoke", "--runs-root", str(tmp_path)]
+    cmd += ["--synth-engines", "hf,hf_generate"]  # the engine comparison's plumbing (vLLM's own test: test_synth_vllm)
     res = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_bench" / "bench_gpu.json").read_text())
@@ -28,3 +29,6 @@ def test_bench_gpu_smoke_trains_every_family(tmp_path: Path, run_env: dict[str, 
         assert r["sequence_tokens_per_s"] > r["supervised_tokens_per_s"] > 0, family
         assert math.isfinite(r["mfu"]) and r["achieved_tflops"] >= 0, family  # rounded: tiny on a CPU
         assert r["best_tau"] >= 1.0, family
+    synth = json.loads((tmp_path / "gpu_bench" / "bench_gpu_synth.json").read_text())
+    assert synth["hf"]["engine"] == "hf" and synth["hf_generate"]["engine"] == "hf_generate"
+    assert synth["hf_generate"]["rows_identical_to_hf"] == "16/16"  # greedy fp32: the same rows

@@ -155,3 +155,26 @@ def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_
     assert "embed_tokens.weight" not in load_file(str(best / "model.safetensors"))
 
     assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)
+
+
+def test_frozen_draft_lm_head_keeps_the_targets_rows(target) -> None:
+    """drafter.freeze_lm_head: the draft LM head holds the target's rows of the draft vocabulary and gets no
+    gradient (the optimizer only sees parameters that require one); everything else still trains."""
+    from train.batches import Row
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    spec, cfg, head = _head(target, draft_vocab_size=512, freeze_lm_head=True, ttt_steps=2)
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
+    spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg)
+    rows = head.target_ids()
+    assert torch.equal(head.lm_head.weight, target.model.get_output_embeddings().weight[rows])
+    assert not head.lm_head.weight.requires_grad
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    mask = torch.ones_like(ids)
+    head.train()
+    loss, _ = spec.loss(head, TrainBatch(ids, mask, torch.cat([mask[:, :4] * 0, mask[:, 4:]], 1)), feats, cfg)
+    loss.backward()
+    assert head.lm_head.weight.grad is None
+    assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
