@@ -54,6 +54,8 @@ class Result:
     """Chain length (for the analytic model); None for trees and peers."""
     per_prompt: dict[str, list[DecodeStats]] = field(default_factory=dict)
     """Each prompt's own counters, by source (for the bootstrap interval)."""
+    prompt_ids: dict[str, list[str]] = field(default_factory=dict)
+    """The ids of ``per_prompt``'s prompts, same keys and order (for paired comparisons between runs)."""
 
 
 @dataclass
@@ -81,6 +83,11 @@ def finish_result(res: Result, per: dict[str, list[DecodeStats]]) -> Result:
     """Pool per-prompt counters by source and over all sources ("all")."""
     res.per_prompt = {**per, "all": [x for v in per.values() for x in v]}
     res.stats = {s: DecodeStats.merge_all(v) for s, v in res.per_prompt.items()}
+    keys = [k.split(":", 1) for k in res.outputs]  # "source:id", in the same prompt order as ``per``
+    ids = {src: [i for s, i in keys if s == src] for src in per}
+    if all(len(ids[src]) == len(v) for src, v in per.items()):
+        res.prompt_ids = {src: [f"{src}:{i}" for i in v] for src, v in ids.items()}
+        res.prompt_ids["all"] = [x for v in list(res.prompt_ids.values()) for x in v]
     return res
 
 
@@ -339,8 +346,12 @@ _DECODE_ONLY = (
 )
 
 
-def acceptance(stats: DecodeStats, per_prompt: list[DecodeStats], n_boot: int, seed: int) -> dict[str, Any]:
-    """tau with its 95% bootstrap interval over prompts, alpha_i, the tau histogram, draft tokens per step."""
+def acceptance(
+    stats: DecodeStats, per_prompt: list[DecodeStats], n_boot: int, seed: int, ids: list[str] | None = None
+) -> dict[str, Any]:
+    """tau with its 95% bootstrap interval over prompts, alpha_i, the tau histogram, draft tokens per step, and
+    each prompt's own counters (``per_prompt``: ids, tokens emitted, verification steps) for paired comparisons
+    between runs judged on the same prompts (``eval.replay.paired_tau_diff``)."""
     hist: dict[int, int] = {}
     for a in stats.accepted_lengths:
         hist[a + 1] = hist.get(a + 1, 0) + 1
@@ -353,6 +364,11 @@ def acceptance(stats: DecodeStats, per_prompt: list[DecodeStats], n_boot: int, s
         "draft_tokens_per_step": stats.draft_tokens_proposed / max(1, stats.verify_steps),
         "prompts": len(per_prompt),
         "new_tokens_judged": stats.new_tokens,
+        "per_prompt": {
+            "ids": list(ids) if ids is not None and len(ids) == len(per_prompt) else None,
+            "emitted": [sum(a + 1 for a in s.accepted_lengths) for s in per_prompt],
+            "steps": [len(s.accepted_lengths) for s in per_prompt],
+        },
     }
 
 
@@ -376,11 +392,15 @@ def combine(
     for src in sources:
         d = dec.get(src)
         if replayed is not None and src in replayed.stats:
-            m = acceptance(replayed.stats[src], replayed.per_prompt[src], e.bootstrap, e.seed)
+            m = acceptance(
+                replayed.stats[src], replayed.per_prompt[src], e.bootstrap, e.seed, replayed.prompt_ids.get(src)
+            )
             m["tau_from"] = "replay"
             m["replay_draft_seconds"] = replayed.stats[src].draft_time_s
         elif decoded is not None:
-            m = acceptance(decoded.stats[src], decoded.per_prompt[src], e.bootstrap, e.seed)
+            m = acceptance(
+                decoded.stats[src], decoded.per_prompt[src], e.bootstrap, e.seed, decoded.prompt_ids.get(src)
+            )
             m["tau_from"] = "decode"
         else:
             continue

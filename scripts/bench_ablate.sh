@@ -6,7 +6,7 @@
 #        "decay1:drafter.ttt_decay=1.0" "clip1:train.max_grad_norm=1.0"
 # A variant named "base" with no overrides always runs first. SYNTH_DIR (default runs/<experiment>/synth) picks the
 # data. Prints a markdown table (tau with its 95% bootstrap interval over prompts, chain K=5 and the family's
-# tree, per source and overall; training seconds) and writes it to runs/<experiment>_<family>_ablate/table.md.
+# tree, per source and overall; the paired difference to base over the same prompts; training seconds) and writes it to runs/<experiment>_<family>_ablate/table.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAMILY=${1:?family}
@@ -28,17 +28,24 @@ done
 python3 - "$BASE/table.md" "${runs[@]}" <<'PY'
 import json, sys
 from pathlib import Path
+from eval.replay import describe_paired, paired_tau_diff
 out, runs = Path(sys.argv[1]), sys.argv[2:]
-lines = ["| variant | method | all | " + " | ".join(["sharegpt", "humaneval"]) + " | train s | trainable params |",
-         "|---|---|---|---|---|---|---|"]
+lines = ["| variant | method | tau all [95% CI] | sharegpt | humaneval | paired vs base (all) | train s | trainable params |",
+         "|---|---|---|---|---|---|---|---|"]
+base = json.loads((Path(runs[0]) / "eval" / "metrics.json").read_text())["metrics"]
 for r in runs:
     m = json.loads((Path(r) / "eval" / "metrics.json").read_text())["metrics"]
     t = json.loads((Path(r) / "train" / "manifest.json").read_text())["result"]
     for method in sorted(k for k in m if k != "plain"):
-        cell = lambda s: (f"{m[method][s]['tau']:.3f} [{m[method][s]['tau_ci'][0]:.2f}, {m[method][s]['tau_ci'][1]:.2f}]"
-                          if s in m[method] else "-")
+        def cell(s):
+            if s not in m[method]:
+                return "-"
+            x = m[method][s]
+            return f"{x['tau']:.3f} [{x['tau_ci'][0]:.2f}, {x['tau_ci'][1]:.2f}]"
+        paired = "baseline" if r == runs[0] else describe_paired(
+            paired_tau_diff(base.get(method, {}).get("all", {}).get("per_prompt") or {}, m[method]["all"].get("per_prompt") or {}))
         lines.append(f"| {Path(r).name.split('_abl_')[-1]} | {method} | {cell('all')} | {cell('sharegpt')} | "
-                     f"{cell('humaneval')} | {t['seconds']:.0f} | {t['trainable_parameters']:,} |")
+                     f"{cell('humaneval')} | {paired} | {t['seconds']:.0f} | {t['trainable_parameters']:,} |")
 text = "\n".join(lines) + "\n"
 out.write_text(text)
 print(text)

@@ -21,6 +21,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from eval.replay import describe_paired, paired_tau_diff
 from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from train.config import Config, ConfigError
 from train.manifest import write_manifest
@@ -174,6 +175,7 @@ def load_run(entry: str) -> dict[str, Any]:
                     "tau_ci": m.get("tau_ci"),
                     "prompts": m.get("prompts"),
                     "speedup": m.get("speedup"),
+                    "per_prompt": m.get("per_prompt"),
                 }
         run["eval_prompts"] = metrics.get("num_prompts")
         run["sources"].append(str(dirs["eval"] / "metrics.json"))
@@ -251,7 +253,8 @@ def _tau_cell(e: dict[str, Any]) -> str:
 
 def differs(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Whether tau of ``b`` differs from ``a`` beyond their 95% intervals (non-overlapping intervals: a
-    conservative test), as ``higher`` / ``lower`` / ``within intervals``; ``-`` when an interval is missing."""
+    conservative test), as ``higher`` / ``lower`` / ``within intervals``; ``-`` when an interval is missing.
+    Runs judged on the same prompts also get the sharper paired test (``paired tau diff`` rows)."""
     ca, cb = _ci(a), _ci(b)
     if ca is None or cb is None:
         return "-"
@@ -276,6 +279,12 @@ def rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
                 verdicts = ["baseline", *(differs(cells[0], e) for e in cells[1:])]
                 if any(v not in ("-", "baseline") for v in verdicts):
                     out.append((f"vs {runs[0]['label']}: {m} [{s}]", verdicts))
+                paired = [
+                    describe_paired(paired_tau_diff(cells[0].get("per_prompt") or {}, e.get("per_prompt") or {}))
+                    for e in cells[1:]
+                ]
+                if any(v != "-" for v in paired):
+                    out.append((f"paired tau diff vs {runs[0]['label']}: {m} [{s}]", ["baseline", *paired]))
         out.append(
             (f"speedup {m} [all]", [_fmt(r["eval"].get(m, {}).get("all", {}).get("speedup"), ".2f") for r in runs])
         )

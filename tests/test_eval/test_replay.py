@@ -168,6 +168,30 @@ def test_bootstrap_interval() -> None:
     assert all(math.isnan(x) for x in bootstrap_tau_ci([]))
 
 
+def test_paired_difference_sees_what_separate_intervals_cannot() -> None:
+    """Prompts vary a lot (tau 1.2 .. 3.0) but b beats a by ~0.1 on every one: the separate intervals overlap,
+    the paired interval excludes zero; the pairing is by id, whatever the order; unpairable input gives None."""
+    from eval.replay import describe_paired, paired_tau_diff
+
+    ids = [f"s:{i}" for i in range(30)]
+    steps = [40] * 30
+    ea = [int(40 * (1.2 + 1.8 * i / 29)) for i in range(30)]
+    eb = [e + 4 for e in ea]  # +0.1 tau on every prompt
+    a = {"ids": ids, "emitted": ea, "steps": steps}
+    b = {"ids": ids[::-1], "emitted": eb[::-1], "steps": steps}  # another order: matched by id
+    p = paired_tau_diff(a, b)
+    assert p is not None and p["diff"] == pytest.approx(0.1)
+    assert 0.09 < p["ci"][0] <= p["ci"][1] < 0.11 and p["better"] == 30 and p["worse"] == 0
+    assert describe_paired(p).startswith("+0.100 [")
+    q = paired_tau_diff(b, a)
+    assert q is not None and q["diff"] == pytest.approx(-0.1) and q["worse"] == 30
+    noisy = {"ids": ids, "emitted": [e + (4 if i % 2 else -4) for i, e in enumerate(ea)], "steps": steps}
+    r = paired_tau_diff(a, noisy)
+    assert r is not None and r["ci"][0] < 0 < r["ci"][1] and r["better"] == 15 and r["worse"] == 15
+    assert paired_tau_diff(a, {"ids": None, "emitted": eb, "steps": steps}) is None
+    assert paired_tau_diff(a, {"ids": ["x:1", "x:2"], "emitted": [1, 2], "steps": [1, 1]}) is None
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_expected_acceptance_matches_the_sampled_decoder(target_and_draft, temperature: float) -> None:
     """Sampling: tau expected from the target's and the drafter's distributions along sampled paths agrees with

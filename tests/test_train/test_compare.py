@@ -8,10 +8,12 @@ from pathlib import Path
 from train.compare import differs, load_run, markdown
 
 
-def _eval_dir(root: Path, name: str, tau: float, lo: float, hi: float) -> Path:
+def _eval_dir(root: Path, name: str, tau: float, lo: float, hi: float, per_prompt: dict | None = None) -> Path:
     d = root / name / "eval"
     d.mkdir(parents=True)
     m = {"tau": tau, "tau_ci": [lo, hi], "prompts": 24, "speedup": 0.9}
+    if per_prompt is not None:
+        m["per_prompt"] = per_prompt
     metrics = {"num_prompts": 24, "metrics": {"eagle_chain_k5": {"sharegpt": m, "all": m}}}
     (d / "metrics.json").write_text(json.dumps(metrics))
     return root / name
@@ -27,6 +29,18 @@ def test_compare_reports_intervals_and_whether_runs_differ(tmp_path: Path) -> No
     assert row.split("|")[2:5] == [" baseline ", " higher ", " within intervals "]
     assert differs(b["eval"]["eagle_chain_k5"]["all"], a["eval"]["eagle_chain_k5"]["all"]) == "lower"
     assert differs({"tau": 1.5}, a["eval"]["eagle_chain_k5"]["all"]) == "-"  # an old run without an interval
+
+
+def test_compare_pairs_runs_judged_on_the_same_prompts(tmp_path: Path) -> None:
+    ids = [f"sharegpt:{i}" for i in range(24)]
+    base = [30 + 2 * i for i in range(24)]  # prompts differ a lot ...
+    a = load_run(str(_eval_dir(tmp_path, "a", 1.5, 1.3, 1.7, {"ids": ids, "emitted": base, "steps": [20] * 24})))
+    better = {"ids": ids, "emitted": [e + 2 for e in base], "steps": [20] * 24}  # ... b is better on every one
+    b = load_run(str(_eval_dir(tmp_path, "b", 1.6, 1.4, 1.8, better)))
+    table = markdown([a, b])
+    row = next(line for line in table.splitlines() if line.startswith("| paired tau diff vs a: eagle_chain_k5 [all]"))
+    assert "+0.100 [+0.100, +0.100], 24 better / 0 worse of 24" in row
+    assert "| vs a: eagle_chain_k5 [all]" in table and "within intervals" in table  # the separate intervals overlap
 
 
 def test_compare_never_silently_replaces_another_comparison(tmp_path: Path) -> None:
