@@ -140,14 +140,8 @@ def generate_batch(target: Target, prompts: list[list[int]], cfg: SynthConfig) -
 
 
 def _generate_continuous(
-    target: Target,
-    jobs: list[TurnJob],
-    cfg: SynthConfig,
-    stats: ChunkStats,
-    gen_ids: list[list[list[int]]],
-    answers: list[list[str]],
-    bar: tqdm | None,
-) -> None:
+    target: Target, jobs: list[TurnJob], cfg: SynthConfig, stats: ChunkStats, bar: tqdm | None
+) -> list[list[int]]:
     """One turn of every job through the continuous-batching engine (data/generate.py); results in job order."""
     tok = target.tokenizer
 
@@ -172,8 +166,7 @@ def _generate_continuous(
         on_finish=progress,
     )
     stats.gen_seconds += time.perf_counter() - t0
-    for job, out in zip(jobs, outs, strict=True):
-        _record(tok, job, out, stats, gen_ids, answers)
+    return outs
 
 
 def request_seed(seed: int, conv: Conversation, turn: int) -> int:
@@ -184,26 +177,18 @@ def request_seed(seed: int, conv: Conversation, turn: int) -> int:
 
 
 def _generate_vllm(
-    engine: VLLMEngine,
-    tok: Any,
-    jobs: list[TurnJob],
-    seeds: list[int],
-    cfg: SynthConfig,
-    stats: ChunkStats,
-    gen_ids: list[list[list[int]]],
-    answers: list[list[str]],
-    bar: tqdm | None,
-) -> None:
+    engine: VLLMEngine, jobs: list[TurnJob], seeds: list[int], cfg: SynthConfig, stats: ChunkStats, bar: tqdm | None
+) -> list[list[int]]:
     """One turn of every job as one ``LLM.generate`` call (vLLM batches and refills by itself)."""
     outs, seconds = engine.generate(
         [j.ids for j in jobs], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds
     )
     stats.gen_seconds += seconds
-    for job, out in zip(jobs, outs, strict=True):
-        _record(tok, job, out, stats, gen_ids, answers)
     if bar is not None:
+        made = stats.generated_tokens + sum(len(o) for o in outs)
         bar.update(len(jobs))
-        bar.set_postfix(tok_s=f"{stats.generated_tokens / max(stats.gen_seconds, 1e-9):.1f}", refresh=False)
+        bar.set_postfix(tok_s=f"{made / max(stats.gen_seconds, 1e-9):.1f}", refresh=False)
+    return outs
 
 
 def _record(
@@ -285,12 +270,14 @@ def synth_chunk(
                 continue
             jobs.append(TurnJob(i, ids))
         jobs.sort(key=lambda j: len(j.ids))  # length buckets: neighbours in length share a batch
-        if vllm is not None:
-            seeds = [request_seed(seed, convs[j.conv], turn) for j in jobs]
-            _generate_vllm(vllm, tok, jobs, seeds, cfg, stats, gen_ids, answers, bar)
-            continue
-        if engine == "hf":
-            _generate_continuous(target, jobs, cfg, stats, gen_ids, answers, bar)
+        if vllm is not None or engine == "hf":
+            if vllm is not None:
+                seeds = [request_seed(seed, convs[j.conv], turn) for j in jobs]
+                outs = _generate_vllm(vllm, jobs, seeds, cfg, stats, bar)
+            else:
+                outs = _generate_continuous(target, jobs, cfg, stats, bar)
+            for job, out in zip(jobs, outs, strict=True):
+                _record(tok, job, out, stats, gen_ids, answers)
             continue
         for b in range(0, len(jobs), cfg.batch_size):
             batch = jobs[b : b + cfg.batch_size]

@@ -96,9 +96,9 @@ def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> No
         assert "orig" not in json.dumps(row["messages"])
 
 
-def _synth(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
+def _synth(run_dir: Path, env: dict[str, str], *extra: str, small: list[str] = SMALL) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "train", "stage=synth", *SMALL, f"hydra.run.dir={run_dir}", *extra],
+        [sys.executable, "-m", "train", "stage=synth", *small, f"hydra.run.dir={run_dir}", *extra],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

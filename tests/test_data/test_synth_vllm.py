@@ -20,10 +20,12 @@ import pytest
 
 from data.generate import continuous_generate
 from data.render import prompt_ids
-from data.synth import load_synth_dataset, start_engine, validate_synth
+from data.synth import start_engine, validate_synth
 from data.target import resolve_target_path
 from data.vllm_engine import EngineError, VLLMEngine, find_engine_python
 from tests.conftest import REPO, compose
+from tests.test_data.test_synth import _rows
+from tests.test_data.test_synth import _synth as synth_process
 from train.config import ConfigError, TargetConfig
 
 ENGINE = REPO / ".venv-engine" / "bin" / "python"
@@ -89,18 +91,7 @@ def test_vllm_worker_matches_hf_greedy_seeds_sampling_and_reports_errors(target)
 
 
 def _synth(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "train", "stage=synth", *SMALL, f"hydra.run.dir={run_dir}", *extra],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    return sorted(load_synth_dataset(run_dir).to_list(), key=lambda r: (r["source"], r["id"]))
+    return synth_process(run_dir, env, *extra, small=SMALL)
 
 
 @needs_engine
