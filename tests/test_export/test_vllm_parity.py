@@ -131,3 +131,21 @@ def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, 
     assert run_["steps_ours"] == run_["drafts_vllm"]
     assert run_["accepted_ours_engine"] == run_["accepted_vllm"]
     assert run_["accepted_per_pos_ours_engine"] == run_["accepted_per_pos_vllm"]
+
+    # scripts/bench_serve.py on the same head: plain vs vLLM's ngram vs our export, two concurrencies, greedy.
+    serve = tmp_path / "serve"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--drafter", str(run / "best")]
+    cmd += ["--synth-dir", str(synth_dir), "--sources", "", "--num-prompts", "2", "--max-new-tokens", "12"]
+    cmd += ["--k", "2", "--ngram-k", "2", "--concurrency", "1", "2", "--out", str(serve)]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((serve / "serve.json").read_text())
+    rows = {(r["config"], r["concurrency"]): r for r in report["rows"]}
+    assert set(rows) == {(c, n) for c in ("plain", "ngram_k2", "drafter_k2") for n in (1, 2)}
+    n = report["prompts"]
+    for (config, _), r in rows.items():
+        assert r["identical_to_plain"] == f"{n}/{n}", r  # greedy speculation never changes the output
+        assert r["tokens_per_s"] > 0
+        assert (r["mean_acceptance_length"] is None) == (config == "plain")
+    assert rows[("drafter_k2", 1)]["mean_acceptance_length"] >= 1.0
+    assert "| 2 | drafter_k2 |" in (serve / "serve.md").read_text()
