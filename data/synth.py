@@ -352,8 +352,12 @@ def plan_hash(cfg: Config, fingerprint: str, ids: list[tuple[str, str]]) -> str:
     synth = asdict(cfg.synth)
     for k in ("num_shards", "shard_index", "batch_size"):
         synth.pop(k)
+    synth.pop("vllm_python")  # where vLLM lives, not what it makes
     if cfg.synth.temperature == 0:
-        synth.pop("engine")  # greedy rows are the same with every engine
+        synth.pop("engine")  # greedy rows are the same with every engine (fp32, eager: tested) ...
+        if synth["vllm_dtype"] == "float32" and synth["vllm_eager"]:
+            synth.pop("vllm_dtype")  # ... unless vLLM runs in lower precision or compiled (near-ties may flip);
+            synth.pop("vllm_eager")  # the defaults hash as before these settings existed
     data = asdict(cfg.data)
     for src in data["sources"].values():
         if src.get("regenerate") is None:

@@ -46,6 +46,22 @@ SMALL = [
 ]
 
 
+def test_greedy_plan_hash_ignores_the_engine_and_where_vllm_lives() -> None:
+    """A resumed or resharded greedy run may switch between the fp32 engines or vLLM interpreters (rows are the
+    same); bf16 or sampling rows depend on the engine, so there it counts; where vLLM is installed never does."""
+    from data.synth import plan_hash
+
+    def h(*o: str) -> str:
+        return plan_hash(compose(list(o)), "fp", [("s", "1")])
+
+    base = h()
+    assert h("synth.engine=vllm", "synth.vllm_python=/x/python") == base
+    assert h("synth.engine=vllm", "synth.vllm_dtype=bfloat16") != base  # bf16 may flip near-ties
+    assert h("synth.temperature=0.7", "synth.engine=vllm") != h("synth.temperature=0.7")
+    assert h("synth.temperature=0.7", "synth.vllm_python=/x") == h("synth.temperature=0.7")
+    assert h("synth.max_new_tokens=7") != base
+
+
 def test_bad_engine_settings_are_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for bad, msg in (("synth.engine=vlm", "synth.engine='vlm'"), ("synth.vllm_dtype=fp8", "synth.vllm_dtype")):
         with pytest.raises(ConfigError, match=msg):
