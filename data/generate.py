@@ -5,10 +5,11 @@ prompt is prefilled at the width of the longest one in its batch (length-sorted 
 padding), rows that end early keep occupying the batch until the longest one ends, and the batch is only as
 large as its padding cost allows. This engine instead
 
-* prefills each prompt alone, at its own length (prefill is compute-bound: batching it saves nothing, padding
-  it costs everything it pads);
+* prefills prompts at their own length, several together only where their lengths are within 15% of each
+  other (prefill is compute-bound: batching it saves little, padding it costs everything it pads);
 * decodes up to ``batch_size`` rows together, one token per row per step, with one key/value cache whose rows
-  are left-aligned to a common width (masked columns cost attention only, not the MLP);
+  are right-aligned to a common width (masked columns cost attention only, not the MLP), held in buffers
+  allocated once per change of rows, so that a step writes only its new column (no copy of the cache per step);
 * drops a row as soon as it ends (end-of-sequence or its token budget) and admits the next prompt into the
   free slot (continuous batching), trimming cache columns that no row uses any more.
 
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +121,6 @@ def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in _layers(cache)]
 
 
-def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``[B, h, L, d]`` -> ``[B, h, n + L, d]`` with zeros in front."""
-    if n <= 0:
-        return t
-    return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2)
-
-
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
     """Next token of every row of ``logits`` ``[B, V]``: argmax, or a sample at ``temperature`` / ``top_p``."""
     if temperature <= 0.0:
@@ -134,6 +129,95 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
     probs = torch.stack([logits_to_probs(row, temperature, top_p) for row in logits])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's cached keys/values as views of preallocated buffers ``[B, h, cap, d]``.
+
+    Columns ``[start, end)`` are cached; :meth:`update` writes the step's new columns at ``end`` in place and
+    returns views, so a decode step copies nothing but its own new column. (A ``DynamicCache`` built from tensors
+    copies the whole cache twice per step -- once when built, once by ``torch.cat`` in ``update`` -- which at 32
+    rows x 300 columns cost more than the model's own forward on this CPU.)
+    """
+
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, start: int, end: int) -> None:
+        super().__init__()
+        self.kbuf, self.vbuf, self.start, self.end = kbuf, vbuf, start, end
+        self.device = kbuf.device
+        self.keys, self.values = kbuf[:, :, start:end], vbuf[:, :, start:end]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        if self.end + n > self.kbuf.shape[2]:
+            raise RuntimeError("slot cache overflow (the engine must compact before a step)")
+        self.kbuf[:, :, self.end : self.end + n].copy_(key_states)
+        self.vbuf[:, :, self.end : self.end + n].copy_(value_states)
+        self.end += n
+        self.keys = self.kbuf[:, :, self.start : self.end]
+        self.values = self.vbuf[:, :, self.start : self.end]
+        return self.keys, self.values
+
+
+def _slot_cache(model: torch.nn.Module, bufs: list[tuple[torch.Tensor, torch.Tensor]], start: int, end: int) -> Any:
+    cache = new_cache(model)
+    cache.layers = [_SlotLayer(k, v, start, end) for k, v in bufs]
+    return cache
+
+
+DECODE_HEADROOM = 64
+"""Free columns allocated past the widest row at each rebuild of the cache: a compaction at most this often."""
+PREFILL_PAD_TOLERANCE = 0.15
+"""Prompts are prefilled together only while padding them to the longest adds at most this share of tokens."""
+PREFILL_TOKENS = 4096
+"""Most (padded) prompt tokens in one prefill forward."""
+
+
+def _prefill_groups(lengths: Sequence[int]) -> list[int]:
+    """Sizes of consecutive groups of ``lengths`` (in admission order) to prefill together: neighbours of similar
+    length (padding <= :data:`PREFILL_PAD_TOLERANCE` of the group's tokens, <= :data:`PREFILL_TOKENS` in all)."""
+    sizes: list[int] = []
+    i = 0
+    while i < len(lengths):
+        n, total, longest = 1, lengths[i], lengths[i]
+        while i + n < len(lengths):
+            m = max(longest, lengths[i + n])
+            t = total + lengths[i + n]
+            if m * (n + 1) > PREFILL_TOKENS or m * (n + 1) > (1 + PREFILL_PAD_TOLERANCE) * t:
+                break
+            n, total, longest = n + 1, t, m
+        sizes.append(n)
+        i += n
+    return sizes
+
+
+def _prefill(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Prefill prompts of similar length in one forward, left-padded to the longest (explicit positions and a
+    padding mask: each row's computation is its own). Returns the last position's logits ``[n, V]`` and per layer
+    ``(keys, values)`` ``[n, h, L, d]`` right-aligned, the padding columns zeroed (masked later, but a non-finite
+    value there would still poison the attention sum)."""
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.tensor([[0] * n + list(p) for n, p in zip(pads, prompts, strict=True)], dtype=torch.long, device=device)
+    cache = new_cache(model)
+    if not any(pads):
+        res = model_forward(model, ids, cache, logits_to_keep=1)
+        return res.logits[:, -1], _kv(cache)
+    pad = torch.tensor(pads, device=device)[:, None]
+    cols = torch.arange(width, device=device)[None, :]
+    mask = (cols >= pad).long()
+    res = model_forward(model, ids, cache, (cols - pad).clamp(min=0), mask, logits_to_keep=1)
+    kv = _kv(cache)
+    for r, n in enumerate(pads):
+        if n:
+            for k, v in kv:
+                k[r, :, :n] = 0
+                v[r, :, :n] = 0
+    return res.logits[:, -1], kv
 
 
 @torch.inference_mode()
@@ -152,7 +236,8 @@ def continuous_generate(
 ) -> tuple[list[list[int]], GenerationStats]:
     """Generate up to ``max_new_tokens`` after every prompt, ``batch_size`` rows at a time (see module docstring).
 
-    Prompts are admitted in the order given (sort them by length for the least padding in the shared cache).
+    Prompts are admitted in the order given (sort them by length for the least padding in the shared cache and
+    the most prompts prefilled together).
 
     Args:
         eos_token_id: end-of-sequence id(s); a row ends after emitting one (it is kept) when ``stop_at_eos``.
@@ -172,11 +257,16 @@ def continuous_generate(
     out: list[list[int]] = [[] for _ in prompts]
     queue = list(range(len(prompts)))
     queue.reverse()  # pop() from the end = the order given
+    headroom = max(1, min(max_new_tokens, DECODE_HEADROOM))
 
     rows: list[int] = []  # prompt index of each batch row
     clen: list[int] = []  # cached positions of each row (prompt + generated tokens already fed)
     nxt: list[int] = []  # the token each row feeds next
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, h, W, d] per layer, rows right-aligned
+    # The cache: per layer (keys, values) buffers [B, h, cap, d]; columns [start, end) are live, each row
+    # right-aligned at `end` (its clen columns), everything left of a row's first column zero and masked.
+    bufs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    start = end = 0
+    keep: list[int] | None = None  # buffer rows still decoding after rows ended (rebuild pending)
 
     def ended(i: int) -> bool:
         toks = out[i]
@@ -188,54 +278,78 @@ def continuous_generate(
             on_finish(i, out[i])
 
     while queue or rows:
-        # admit: prefill new prompts alone, at their own length, into the free slots
-        admitted: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        # admit: prefill new prompts (neighbours of similar length together) into the free slots
+        admitted: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         t0 = time.perf_counter()
-        while queue and len(rows) + len(admitted) < batch_size:
-            i = queue.pop()
-            ids = torch.tensor([list(prompts[i])], dtype=torch.long, device=device)
-            cache = new_cache(model)
-            res = model_forward(model, ids, cache, logits_to_keep=1)
-            stats.prompt_tokens += ids.shape[1]
-            out[i].append(int(_pick(res.logits[:, -1].float(), temperature, top_p, generator)[0]))
-            if ended(i):
-                finish(i)
-                continue
-            admitted.append((i, _kv(cache)))
+        free = batch_size - len(rows)
+        take = [queue.pop() for _ in range(min(free, len(queue)))]
+        pos = 0
+        for n in _prefill_groups([len(prompts[i]) for i in take]):
+            group = take[pos : pos + n]
+            pos += n
+            logits, kv = _prefill(model, [prompts[i] for i in group], device)
+            stats.prompt_tokens += sum(len(prompts[i]) for i in group)
+            picked = _pick(logits.float(), temperature, top_p, generator).tolist()
+            live: list[int] = []
+            for r, i in enumerate(group):
+                out[i].append(int(picked[r]))
+                if ended(i):
+                    finish(i)
+                else:
+                    live.append(r)
+            if len(live) < len(group):
+                if not live:
+                    continue
+                idx = torch.tensor(live, device=device)
+                kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+                group = [group[r] for r in live]
+            admitted.append((group, kv))
         stats.prefill_seconds += time.perf_counter() - t0
-        if admitted:
-            width = max(clen + [len(prompts[i]) for i, _ in admitted])
-            parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-            if kv is not None:
-                grow = width - kv[0][0].shape[2]
-                parts.append([(_pad_left(k, grow), _pad_left(v, grow)) for k, v in kv])
-            for i, layer_kv in admitted:
-                n = width - len(prompts[i])
-                parts.append([(_pad_left(k, n), _pad_left(v, n)) for k, v in layer_kv])
-                rows.append(i)
-                clen.append(len(prompts[i]))
-                nxt.append(out[i][-1])
-            kv = [
-                (torch.cat([p[layer][0] for p in parts]), torch.cat([p[layer][1] for p in parts]))
-                for layer in range(len(parts[0]))
-            ]
+        t0 = time.perf_counter()
+        if admitted or keep is not None or (rows and end == bufs[0][0].shape[2]):
+            # rebuild the cache: kept rows, then the admitted ones, right-aligned at a common width
+            kept = list(range(len(rows))) if keep is None else keep
+            new_rows = [i for group, _ in admitted for i in group]
+            width = max([clen[r] for r in kept] + [len(prompts[i]) for i in new_rows], default=0)
+            n_rows = len(kept) + len(new_rows)
+            nb: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if n_rows:
+                ref = bufs[0][0] if bufs else admitted[0][1][0][0]
+                shape = (n_rows, ref.shape[1], width + headroom, ref.shape[3])
+                nb = [(ref.new_zeros(shape), ref.new_zeros(shape)) for _ in range(len(bufs or admitted[0][1]))]
+            if kept:
+                wk = max(clen[r] for r in kept)
+                idx = torch.tensor(kept, device=device)
+                for (k, v), (ok, ov) in zip(nb, bufs, strict=True):
+                    k[: len(kept), :, width - wk : width] = ok[:, :, end - wk : end].index_select(0, idx)
+                    v[: len(kept), :, width - wk : width] = ov[:, :, end - wk : end].index_select(0, idx)
+            r0 = len(kept)
+            for group, kv in admitted:
+                wg = kv[0][0].shape[2]
+                for (k, v), (gk, gv) in zip(nb, kv, strict=True):
+                    k[r0 : r0 + len(group), :, width - wg : width] = gk
+                    v[r0 : r0 + len(group), :, width - wg : width] = gv
+                r0 += len(group)
+            rows = [rows[r] for r in kept] + new_rows
+            clen = [clen[r] for r in kept] + [len(prompts[i]) for i in new_rows]
+            nxt = [nxt[r] for r in kept] + [out[i][-1] for i in new_rows]
+            bufs, start, end, keep = nb, 0, width, None
         if not rows:
+            stats.decode_seconds += time.perf_counter() - t0
             continue
         # one decode step for every row
-        assert kv is not None
-        t0 = time.perf_counter()
-        width = kv[0][0].shape[2]
+        width = end - start
         lens = torch.tensor(clen, device=device)
         cols = torch.arange(width + 1, device=device)
         mask = (cols[None, :width] >= width - lens[:, None]).long()
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        cache = new_cache(model, kv)
+        cache = _slot_cache(model, bufs, start, end)
         res = model_forward(model, torch.tensor(nxt, device=device)[:, None], cache, lens[:, None], mask)
         picked = _pick(res.logits[:, -1].float(), temperature, top_p, generator).tolist()
-        kv = _kv(cache)
+        end += 1
         stats.decode_steps += 1
         stats.decode_slots += len(rows)
-        keep: list[int] = []
+        still: list[int] = []
         for r, i in enumerate(rows):
             out[i].append(int(picked[r]))
             clen[r] += 1
@@ -243,17 +357,9 @@ def continuous_generate(
             if ended(i):
                 finish(i)
             else:
-                keep.append(r)
-        if len(keep) < len(rows):
-            rows, clen, nxt = [rows[r] for r in keep], [clen[r] for r in keep], [nxt[r] for r in keep]
-            if keep:
-                idx = torch.tensor(keep, device=device)
-                kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-            else:
-                kv = None
-        if kv is not None:  # drop leading columns no row uses any more
-            unused = kv[0][0].shape[2] - max(clen)
-            if unused > 0:
-                kv = [(k[:, :, unused:], v[:, :, unused:]) for k, v in kv]
+                still.append(r)
+        if len(still) < len(rows):
+            keep = still
+        start = end - max((clen[r] for r in (keep if keep is not None else range(len(rows)))), default=0)
         stats.decode_seconds += time.perf_counter() - t0
     return out, stats

@@ -53,3 +53,30 @@ def test_sampling_is_reproducible_and_follows_the_temperature(target, prompts) -
     assert run(0, 1.0) != run(1, 1.0)
     greedy, _ = continuous_generate(target.model, prompts, 16, eos_token_id=eos, batch_size=3)
     assert run(0, 1e-4) == greedy  # a near-zero temperature samples the argmax
+
+
+def test_prefill_groups_only_join_neighbours_of_similar_length() -> None:
+    from data.generate import PREFILL_TOKENS, _prefill_groups
+
+    assert _prefill_groups([]) == []
+    assert _prefill_groups([10, 10, 11, 40, 41, 100]) == [3, 2, 1]
+    assert _prefill_groups([50] * 3 + [5]) == [3, 1]  # 5 padded to 50 would be 10x its work
+    assert sum(_prefill_groups([PREFILL_TOKENS // 4] * 9)) == 9
+    assert max(_prefill_groups([PREFILL_TOKENS // 4] * 9)) == 4  # the token budget of one forward
+
+
+def test_grouped_prefill_and_compaction_equal_batch1_decoding(target, prompts, monkeypatch) -> None:
+    """Neighbours of similar length are prefilled in one padded forward, and rows outlive the columns allocated
+    for them (a tiny headroom forces a compaction of the cache every few steps): the rows stay batch-1 greedy."""
+    import data.generate as gen
+    from eval.decoder import plain_decode
+
+    eos = target.tokenizer.eos_token_id
+    extra = ("Hey", "Name a colour.", "Write a Python function that adds two numbers, with a docstring.")
+    similar = sorted(prompts + [prompt_ids(target.tokenizer, [{"role": "user", "content": t}]) for t in extra], key=len)
+    assert len(gen._prefill_groups([len(p) for p in similar])) < len(similar), "some prompts must share a prefill"
+    refs = [plain_decode(target.model, torch.tensor([p]), 20, eos).tokens for p in similar]
+    monkeypatch.setattr(gen, "DECODE_HEADROOM", 3)
+    outs, stats = continuous_generate(target.model, similar, 20, eos_token_id=eos, batch_size=4)
+    assert outs == refs
+    assert stats.generated_tokens == sum(len(r) for r in refs)
