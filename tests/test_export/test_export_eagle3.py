@@ -90,14 +90,17 @@ SPECULATORS_LAYER_KEYS = {
 }
 
 
-def make_eagle3_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, layer_ids: list[int] | None = None):
+def make_eagle3_head(
+    target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, layer_ids: list[int] | None = None, norms: bool = False
+):
     """A training-free EAGLE-3 head ("logit lens"): ``fc`` passes the highest aux layer through, ``norm``/``lm_head``
     are the target's final norm and LM head rows of the draft vocabulary, and the decoder layer adds small random
     terms (so attention and MLP are exercised). Its acceptance is low but not zero: the lens of feature t
     predicts token t+1 again, while EAGLE-3 drafts token t+2 from it (accepted when the text repeats a token).
 
     ``draft_vocab`` = 0: the ids 0..8191 and 10240..12287 (the low BPE ids hold most generated tokens, and the
-    gap gives d2t a nonzero offset, so a reversed d2t would draft wrong ids); otherwise random ids."""
+    gap gives d2t a nonzero offset, so a reversed d2t would draft wrong ids); otherwise random ids. ``norms``: the
+    three optional norms on (speculators' trainer defaults), their weights random so that each one counts."""
     from train.drafters.eagle3 import Eagle3Config, build
 
     g = torch.Generator().manual_seed(seed)
@@ -106,7 +109,8 @@ def make_eagle3_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, laye
         ids = torch.cat([torch.arange(64), 64 + torch.randperm(V - 64, generator=g)[: draft_vocab - 64]]).sort().values
     else:
         ids = torch.cat([torch.arange(8192), torch.arange(10240, 12288)])
-    cfg = Eagle3Config(draft_vocab_size=int(ids.numel()), layer_ids=layer_ids)
+    flags = dict.fromkeys(("norm_before_fc", "norm_before_residual", "norm_output"), norms)
+    cfg = Eagle3Config(draft_vocab_size=int(ids.numel()), layer_ids=layer_ids, **flags)
     head = build(cfg, target.model)
     H = target.model.config.hidden_size
     draft_vocab = int(ids.numel())
@@ -124,6 +128,8 @@ def make_eagle3_head(target, draft_vocab: int = DRAFT_VOCAB, seed: int = 0, laye
                 p.copy_(0.002 * torch.randn(p.shape, generator=g))
             elif "norm" not in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        if head.input_norm is not None:
+            head.input_norm.weight.copy_(1.0 + 0.1 * torch.randn(head.input_norm.weight.shape, generator=g))
     return head.eval(), cfg
 
 
@@ -291,16 +297,55 @@ def test_head_without_recorded_hash_refused(eagle3_run: Path, target, tmp_path: 
 
 
 def test_importer_refuses_other_norm_math(eagle3_run: Path, target, tmp_path: Path):
-    """A speculators checkpoint trained with norm_output/norm_before_fc (speculators' defaults) is not our head."""
+    """A speculators checkpoint with per-layer fc norms (``fc_norm``, the EAGLE 3.1 variant) is not our head."""
     import shutil
 
     run_export(_cfg(eagle3_run, "speculators", **{"export.out_dir": str(tmp_path / "s")}), tmp_path, target=target)
     shutil.copytree(tmp_path / "s", tmp_path / "s2")
     conf = json.loads((tmp_path / "s2" / "config.json").read_text())
-    conf["norm_output"] = True
+    conf["fc_norm"] = True
     (tmp_path / "s2" / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match="norm flags"):
         FORMATS[("eagle3", "speculators")].load(tmp_path / "s2", target)
+
+
+@pytest.fixture(scope="module")
+def eagle3_norms_run(tmp_path_factory: pytest.TempPathFactory, target) -> Path:
+    return write_eagle3_run(tmp_path_factory.mktemp("runs") / "e3n", target, norms=True)
+
+
+def test_norms_round_trip_speculators_and_refused_for_sglang(eagle3_norms_run: Path, target, tmp_path: Path):
+    """A head trained with speculators' three norms exports with its flags and ``input_norm.weight``, re-imports to
+    the same draft logits (each norm changes them), and is refused for SGLang, which has none of the norms."""
+    res = run_export(_cfg(eagle3_norms_run, "speculators"), tmp_path, target=target)
+    assert res["round_trip_max_abs_logit_diff"] == 0.0
+    out = eagle3_norms_run / "export" / "speculators"
+    conf = json.loads((out / "config.json").read_text())
+    assert [conf[k] for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")] == [
+        True,
+        False,
+        True,
+        True,
+    ]
+    H = target.model.config.hidden_size
+    assert set(_keys(out / "model.safetensors")) == SPECULATORS_KEYS | {"input_norm.weight"}
+    assert _keys(out / "model.safetensors")["input_norm.weight"][0] == [3 * H]
+    f = FORMATS[("eagle3", "speculators")]
+    imported = f.load(out, target)
+    assert imported.norms == dict.fromkeys(("norm_before_fc", "norm_before_residual", "norm_output"), True)
+    src = _source(eagle3_norms_run, target)
+    src.module.layer_ids = [2, 15, 27]
+    assert torch.equal(f.probe(src.module, target), f.probe(imported, target))
+    for flag in imported.norms:  # each flag is math: turning one off changes the draft logits
+        other = f.load(out, target)
+        other.norms[flag] = False
+        other.midlayer.norm_before_residual = other.norms["norm_before_residual"]
+        if flag == "norm_before_fc":
+            other.input_norm = None
+        assert not torch.equal(f.probe(other, target), f.probe(imported, target)), flag
+    with pytest.raises(ExportError, match="SGLang"):
+        run_export(_cfg(eagle3_norms_run, "sglang_eagle3"), tmp_path, target=target)
+    assert not (eagle3_norms_run / "export" / "sglang_eagle3").exists()
 
 
 SPECULATORS_CHECK = r"""
@@ -331,9 +376,11 @@ print(json.dumps({
 
 
 @needs_engine
-def test_speculators_loads_export(eagle3_run: Path, target, tmp_path: Path):
+@pytest.mark.parametrize("norms", [False, True])
+def test_speculators_loads_export(eagle3_run: Path, eagle3_norms_run: Path, target, tmp_path: Path, norms: bool):
     out = tmp_path / "spec"
-    run_export(_cfg(eagle3_run, "speculators", **{"export.out_dir": str(out)}), tmp_path, target=target)
+    run = eagle3_norms_run if norms else eagle3_run
+    run_export(_cfg(run, "speculators", **{"export.out_dir": str(out)}), tmp_path, target=target)
     script = tmp_path / "check.py"
     script.write_text(SPECULATORS_CHECK)
     res = subprocess.run(
@@ -342,7 +389,7 @@ def test_speculators_loads_export(eagle3_run: Path, target, tmp_path: Path):
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["missing"] == [] and got["extra"] == [] and got["shape"] == [] and got["value"] == [], got
-    assert got["dtype"] == [] and got["n"] == len(SPECULATORS_KEYS)
+    assert got["dtype"] == [] and got["n"] == len(SPECULATORS_KEYS) + norms
     assert got["config_class"] == "Eagle3SpeculatorConfig" and got["layer_ids"] == [2, 15, 27]
     assert got["draft_vocab_size"] == DRAFT_VOCAB and got["verifier"] == str(target.path)
-    assert got["norm"] == [False, False, False, False]
+    assert got["norm"] == [norms, False, norms, norms]

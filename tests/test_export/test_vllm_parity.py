@@ -105,8 +105,12 @@ E3_TRAIN = [
 ]
 
 
+FLAGS = ("drafter.norm_before_fc", "drafter.norm_before_residual", "drafter.norm_output")
+
+
 @needs_engine
-def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]):
+@pytest.mark.parametrize("norms", [False, True], ids=["published", "norms"])
+def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, str], norms: bool):
     """vLLM serving our speculators-format export counts exactly what our EAGLE-3 chain decoder counts.
 
     The head is trained by stage train (online features of layers 2/15/27, TTT, an 8192-token draft vocabulary
@@ -114,11 +118,14 @@ def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, 
     until it has learnt them, and both sides decode the prompts of those training rows (``--split train``):
     the head then accepts deep into its drafts, so the counts at every draft position (which go through the
     head's own hidden states, TTT's inference side) are compared, not just the first. Not an acceptance figure:
-    held-out parity of a trained head is in BENCHMARKS.md (1.3034 on both sides)."""
+    held-out parity of a trained head is in BENCHMARKS.md (1.3034 on both sides). ``norms``: a head trained with
+    speculators' three optional norms (the default; its config flags tell vLLM the same math), else without."""
     from tests.test_train.runs import ok, run_train
 
     run = tmp_path / "e3"
-    ok(run_train([*SMALL_SYNTH, f"synth_dir={synth_dir}", *E3_TRAIN, f"hydra.run.dir={run}"], run_env))
+    extra = [f"{f}={str(norms).lower()}" for f in FLAGS]
+    ok(run_train([*SMALL_SYNTH, f"synth_dir={synth_dir}", *E3_TRAIN, *extra, f"hydra.run.dir={run}"], run_env))
+    assert json.loads((run / "best" / "config.json").read_text())["draftsmith"]["drafter"]["norm_output"] is norms
     d2t = load_file(str(run / "best" / "model.safetensors"))["d2t"]
     assert int(d2t.abs().max()) > 1000  # the draft ids are spread over the vocabulary
     out = tmp_path / "parity"
@@ -131,6 +138,8 @@ def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, 
     assert run_["steps_ours"] == run_["drafts_vllm"]
     assert run_["accepted_ours_engine"] == run_["accepted_vllm"]
     assert run_["accepted_per_pos_ours_engine"] == run_["accepted_per_pos_vllm"]
+    if norms:
+        return
 
     # scripts/bench_serve.py on the same head: plain vs vLLM's ngram vs our export, two concurrencies, greedy.
     serve = tmp_path / "serve"

@@ -41,12 +41,15 @@ def test_default_layers_and_feature_layers(target) -> None:
         spec.build(spec.config_cls(layer_ids=[2, 15, 31]), target.model)
 
 
-def test_ttt_step_equals_inference_drafting(target) -> None:
+@pytest.mark.parametrize("norms", [False, True])
+def test_ttt_step_equals_inference_drafting(target, norms: bool) -> None:
     """Entry t of TTT step 1 must be exactly what the head computes when it drafts one token after committing
-    rows 0..t at inference (own feature, own key at position t+1, the committed keys at positions <= t)."""
-    from train.drafters.eagle3 import ttt_mask
+    rows 0..t at inference (own feature, own key at position t+1, the committed keys at positions <= t); with
+    speculators' three optional norms too."""
+    from train.drafters.eagle3 import NORM_FLAGS, ttt_mask
 
-    _, _, head = _head(target, draft_vocab_size=1024)
+    _, _, head = _head(target, draft_vocab_size=1024, **dict.fromkeys(NORM_FLAGS, norms))
+    assert (head.input_norm is not None) == norms and head.midlayer.norm_before_residual == norms
     ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
     with torch.no_grad():
         hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states

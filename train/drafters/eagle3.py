@@ -10,6 +10,10 @@ draft logits over a reduced vocabulary: ``lm_head(norm(h'))`` ``[draft_vocab_siz
 draft_id + d2t[draft_id]``) and ``t2d`` (bool over the target vocabulary) map between the two; they are built
 from the training data's token frequencies, saved with the checkpoint and checked (with a hash) on load.
 
+Optional norms (speculators' trainer defaults; vLLM reads the same flags, all off = EAGLE-3 as published):
+``norm_before_fc`` (an RMSNorm on the concatenated layers before ``fc``), ``norm_before_residual`` (the residual is
+``hidden_norm(h[t])``), ``norm_output`` (``norm(h')`` is fed back and gives the logits).
+
 Training-time test (TTT): the head is unrolled for ``ttt_steps`` steps. Step 0 sees the target's fused
 features; step j sees its own outputs of step j-1 at the same entry, and the token ``x[t+1+j]`` (positions
 shifted by j). Entry t of step j attends to step 0's keys at positions <= t (the committed context) and to
@@ -61,6 +65,16 @@ class Eagle3Config:
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
+    # The three norms are on in conf/drafter/eagle3.yaml (the default a run gets); off here so that a head saved
+    # before they existed (its config.json lacks them) loads with the math it was trained with.
+    norm_before_fc: bool = False
+    """An RMSNorm (``input_norm``, k*H wide) on the concatenated target layers before ``fc`` (speculators'
+    trainer default for EAGLE-3; vLLM reads the same flag)."""
+    norm_before_residual: bool = False
+    """The residual of the draft layer is ``hidden_norm(h)`` instead of ``h`` (speculators' trainer default)."""
+    norm_output: bool = False
+    """Feed ``norm(h')`` back as the next step's feature (and take logits from it) instead of the pre-norm
+    ``h'`` (speculators' trainer default: keeps the feature's magnitude from drifting over the steps)."""
     decode: str = "tree"
     """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic tree) | chain."""
     chain_k: int = 5
@@ -89,10 +103,12 @@ def vocab_hash(d2t: torch.Tensor) -> str:
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's decoder layer: attention over [norm(embedding), norm(feature)] with the feature as residual."""
+    """EAGLE-3's decoder layer: attention over [norm(embedding), norm(feature)] with the feature (or, with
+    ``norm_before_residual``, the normed feature) as residual."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, norm_before_residual: bool = False) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         hidden = config.hidden_size
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
@@ -110,23 +126,39 @@ class Eagle3Layer(nn.Module):
         past: KV | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        hn = self.hidden_norm(h)
+        if self.norm_before_residual:
+            h = hn
+        x = torch.cat([self.input_layernorm(emb), hn], dim=-1)
         a, kv = self.self_attn(x, cos, sin, past, mask)
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
 
 
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+"""The optional norms of :class:`Eagle3Head` (speculators' and vLLM's names; all off = EAGLE-3 as published)."""
+
+
+def norm_flags(cfg: Any) -> dict[str, bool]:
+    """The head's norm flags from a drafter config (or any object / dict carrying them; absent = off)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d: getattr(cfg, k, d)
+    return {k: bool(get(k, False)) for k in NORM_FLAGS}
+
+
 class Eagle3Head(nn.Module):
-    def __init__(self, config: Any, num_aux: int, draft_vocab_size: int) -> None:
+    def __init__(self, config: Any, num_aux: int, draft_vocab_size: int, norms: dict[str, bool] | None = None) -> None:
         super().__init__()
         H, V = config.hidden_size, config.vocab_size
         self.config = config
         self.hidden_size = H
+        self.norms = {k: bool((norms or {}).get(k, False)) for k in NORM_FLAGS}
+        eps = getattr(config, "rms_norm_eps", 1e-6)
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
+        self.input_norm = LlamaRMSNorm(num_aux * H, eps=eps) if self.norms["norm_before_fc"] else None
         self.fc = nn.Linear(num_aux * H, H, bias=False)
-        self.midlayer = Eagle3Layer(config)
+        self.midlayer = Eagle3Layer(config, norm_before_residual=self.norms["norm_before_residual"])
         self.norm = LlamaRMSNorm(H, eps=getattr(config, "rms_norm_eps", 1e-6))
         self.lm_head = nn.Linear(H, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
@@ -153,15 +185,21 @@ class Eagle3Head(nn.Module):
     ) -> tuple[torch.Tensor, list[KV]]:
         """features: ``[B, T, k*H]`` fused target layers, or ``[B, T, H]`` the head's own earlier outputs;
         next_ids: ``[B, T]`` the token after each feature's position; returns ``(h' [B, T, H], [kv])``."""
-        h = self.fc(features) if features.shape[-1] != self.hidden_size else features
+        if features.shape[-1] != self.hidden_size:  # fused target layers
+            h = self.fc(features if self.input_norm is None else self.input_norm(features))
+        else:
+            h = features
         emb = self.embed_tokens(next_ids).to(h.dtype)
         cos, sin = self.rotary(h, position_ids)
         out, kv = self.midlayer(emb, h, cos, sin, None if past is None else past[0], mask)
+        if self.norms["norm_output"]:
+            out = self.norm(out)
         return out, [kv]
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary, ``[..., draft_vocab_size]``."""
-        return self.lm_head(self.norm(h))
+        """Logits over the draft vocabulary, ``[..., draft_vocab_size]`` (``h`` is already normed with
+        ``norm_output``)."""
+        return self.lm_head(h if self.norms["norm_output"] else self.norm(h))
 
     def full_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits placed in the target's vocabulary (``-inf`` outside the draft vocabulary)."""
@@ -177,7 +215,7 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
     if cfg.ttt_steps < 1:
         raise ConfigError(f"drafter.ttt_steps={cfg.ttt_steps} must be >= 1")
     vd = draft_vocab(cfg, tcfg)
-    head = Eagle3Head(tcfg, len(layer_ids), vd)
+    head = Eagle3Head(tcfg, len(layer_ids), vd, norm_flags(cfg))
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[:vd])
@@ -383,7 +421,7 @@ def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3
             f"{path}: d2t does not match the vocabulary the head was trained with (hash {vocab_hash(state['d2t'])} "
             f"!= {expected}); a d2t rebuilt from other data silently collapses acceptance"
         )
-    head = Eagle3Head(tcfg, len(resolve_layer_ids(saved, tcfg)), vd)
+    head = Eagle3Head(tcfg, len(resolve_layer_ids(saved, tcfg)), vd, norm_flags(saved))
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().float()
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]

@@ -20,10 +20,10 @@ Both hold the same weights as :class:`train.drafters.eagle3.Eagle3Head`; only na
   ``transformer_layer_config`` (the draft layer's LlamaConfig, full attention), ``draft_vocab_size``,
   ``eagle_aux_hidden_state_layer_ids`` (HF ``hidden_states`` indices = vLLM's aux layer ids: vLLM captures
   the residual stream entering decoder layer i, which is HF ``hidden_states[i]``) and the norm flags of our
-  head's math: ``norm_before_fc=false`` (no RMSNorm on the fused features), ``fc_norm=false``,
-  ``norm_before_residual=false`` (the residual is the un-normed feature; vLLM defaults this flag to *true*
-  when absent, so it is always written), ``norm_output=false`` (the pre-norm output is fed back; logits use
-  ``norm``).
+  head's math, always written: ``fc_norm=false`` and the head's own ``norm_before_fc`` (an RMSNorm,
+  ``input_norm.weight`` [k*H], on the fused features), ``norm_before_residual`` (the residual is the normed
+  feature) and ``norm_output`` (the normed output is fed back), all false for EAGLE-3 as published
+  (``drafter.norm_*``; speculators' trainer turns all three on).
 
 ``sglang_eagle3`` -- SpecForge's layout: our own checkpoint names (``midlayer.*``, ``fc``, ``norm``,
 ``lm_head``, ``d2t``, ``t2d``; no ``embed_tokens``) and a ``LlamaForCausalLMEagle3`` config. SGLang takes the
@@ -32,7 +32,8 @@ decoder layer whose *output* is captured (it captures at ``id + 1``), i.e. HF in
 uses ``[2, N//2, N-3]`` as capture points (= HF indices). So the default layers are left implicit (both
 engines then agree) and other layers are written in SGLang's convention.
 
-Both exporters refuse a head whose d2t/t2d are missing, inconsistent (:func:`check_vocab_maps`) or not the
+SGLang's ``LlamaForCausalLMEagle3`` has none of the optional norms: ``sglang_eagle3`` refuses a head trained with
+any of them. Both exporters refuse a head whose d2t/t2d are missing, inconsistent (:func:`check_vocab_maps`) or not the
 ones it was trained with (``d2t_hash`` in the drafter's config.json).
 """
 
@@ -46,7 +47,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from train.atomic import atomic_write_json
-from train.drafters.eagle3 import Eagle3Config, Eagle3Head, check_vocab_maps, resolve_layer_ids, vocab_hash
+from train.drafters.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    check_vocab_maps,
+    norm_flags,
+    resolve_layer_ids,
+    vocab_hash,
+)
 from train.export.core import ExportError, Format, Shapes, Source, contiguous, register_format
 
 WEIGHTS = "model.safetensors"
@@ -59,8 +67,8 @@ __all__ = ["Eagle3SpeculatorConfig"]
 '''
 VOCAB_REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "t2d", "d2t")
 """What SpecForge's exporter refuses to write without (``specforge/export/to_sglang.py``)."""
-NORM_FLAGS = {"norm_before_fc": False, "fc_norm": False, "norm_before_residual": False, "norm_output": False}
-"""The speculators/vLLM norm flags that describe :class:`Eagle3Head`'s math; other values are refused on import."""
+UNSUPPORTED_NORMS = {"fc_norm": False}
+"""speculators/vLLM norm flags :class:`Eagle3Head` has no math for; other values are refused on import."""
 
 
 # --------------------------------------------------------------------------------------------- the source
@@ -147,6 +155,8 @@ def _required(src: Source, prefix: str, embed: bool, vocab_maps: bool) -> dict[s
     H, V = d["H"], d["V"]
     vd = _head(src).draft_vocab_size
     req: Shapes = {"fc.weight": (H, len(_layer_ids(src)) * H), "norm.weight": (H,), "lm_head.weight": (vd, H)}
+    if _head(src).norms["norm_before_fc"]:
+        req["input_norm.weight"] = (len(_layer_ids(src)) * H,)
     req.update(_layer_shapes(prefix, d))
     if vocab_maps:
         req.update({"d2t": (vd,), "t2d": (V,)})
@@ -234,7 +244,8 @@ def spec_config(src: Source) -> dict[str, Any]:
         "dtype": dtype,
         "eagle_aux_hidden_state_layer_ids": _layer_ids(src),
         "embed_requires_grad": False,
-        **NORM_FLAGS,
+        **UNSUPPORTED_NORMS,
+        **head.norms,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -273,11 +284,22 @@ def spec_write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor
 # --------------------------------------------------------------------------------------------- SGLang
 
 
+def _sgl_check_norms(src: Source) -> None:
+    on = [k for k, v in _head(src).norms.items() if v]
+    if on:
+        raise ExportError(
+            f"{src.drafter_dir}: an EAGLE-3 head trained with {on} cannot be written for SGLang: its "
+            "LlamaForCausalLMEagle3 has no such norms (the head would draft with other math); use format=speculators"
+        )
+
+
 def sgl_required(src: Source) -> dict[str, Shapes]:
+    _sgl_check_norms(src)
     return _required(src, "midlayer.", embed=False, vocab_maps=True)
 
 
 def sgl_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
+    _sgl_check_norms(src)
     return {WEIGHTS: _state(src, "midlayer.", embed=False, vocab_maps=True)}
 
 
@@ -315,7 +337,9 @@ def sgl_write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]
 # -------------------------------------------------------------------------------------------- importers
 
 
-def _build(target: Any, layer_ids: list[int], state: dict[str, torch.Tensor], where: Path) -> Eagle3Head:
+def _build(
+    target: Any, layer_ids: list[int], state: dict[str, torch.Tensor], where: Path, norms: dict[str, bool] | None = None
+) -> Eagle3Head:
     tcfg = target.model.config
     if "lm_head.weight" not in state:
         raise ValueError(f"EAGLE-3 export {where} has no lm_head.weight")
@@ -332,7 +356,7 @@ def _build(target: Any, layer_ids: list[int], state: dict[str, torch.Tensor], wh
     if stored is not None and not torch.equal(stored, embed.to(stored.dtype)):  # bf16 exports: the target's, rounded
         raise ValueError(f"EAGLE-3 export {where}: embed_tokens.weight is not the target's input embedding")
     state["embed_tokens.weight"] = embed
-    head = Eagle3Head(tcfg, len(layer_ids), vd)
+    head = Eagle3Head(tcfg, len(layer_ids), vd, norms)
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
@@ -362,9 +386,10 @@ def spec_load(directory: Path, target: Any) -> Eagle3Head:
         )
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"{directory}: {layer.get('num_hidden_layers')} draft layers; Eagle3Head has 1")
-    bad = {k: meta.get(k, v) for k, v in NORM_FLAGS.items() if bool(meta.get(k, v)) != v}
+    bad = {k: meta.get(k, v) for k, v in UNSUPPORTED_NORMS.items() if bool(meta.get(k, v)) != v}
     if bad:
-        raise ValueError(f"{directory}: norm flags {bad} describe other math than Eagle3Head ({NORM_FLAGS})")
+        raise ValueError(f"{directory}: norm flags {bad} describe math Eagle3Head does not have")
+    norms = norm_flags(meta)
     n = int(tcfg.num_hidden_layers)
     ids = [int(i) for i in (meta.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3])]
     raw = load_file(str(directory / WEIGHTS))
@@ -373,7 +398,7 @@ def spec_load(directory: Path, target: Any) -> Eagle3Head:
         raise ValueError(f"{directory}: draft_vocab_size={meta.get('draft_vocab_size')} but lm_head has {rows} rows")
     _check_hash(meta, raw, directory)
     state = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in raw.items()}
-    return _build(target, ids, state, directory)
+    return _build(target, ids, state, directory, norms)
 
 
 def sgl_load(directory: Path, target: Any) -> Eagle3Head:
