@@ -152,7 +152,7 @@ class Eagle3Head(nn.Module):
         H, V = config.hidden_size, config.vocab_size
         self.config = config
         self.hidden_size = H
-        self.norms = {k: bool((norms or {}).get(k, False)) for k in NORM_FLAGS}
+        self.norms = norm_flags(norms or {})
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)

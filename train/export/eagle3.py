@@ -294,7 +294,6 @@ def _sgl_check_norms(src: Source) -> None:
 
 
 def sgl_required(src: Source) -> dict[str, Shapes]:
-    _sgl_check_norms(src)
     return _required(src, "midlayer.", embed=False, vocab_maps=True)
 
 
