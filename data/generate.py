@@ -110,6 +110,54 @@ def new_cache(model: torch.nn.Module, kv: list[tuple[torch.Tensor, torch.Tensor]
         return DynamicCache()
 
 
+def kv_layers(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"unsupported cache type {type(cache).__name__} (no .layers)")
+    for layer in layers:
+        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") or not hasattr(layer, "values"):
+            raise NotImplementedError(
+                f"cache layer {type(layer).__name__} cannot be rolled back by slicing "
+                "(only full-attention DynamicLayer caches are supported)"
+            )
+    return list(layers)
+
+
+def cache_seq_len(cache: Any) -> int:
+    """Number of tokens held by the cache."""
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep only the first ``length`` positions of every layer (in place).
+
+    Not ``DynamicCache.crop``: its argument changed meaning between transformers releases (the length to keep
+    in 4.x, the number of tokens to remove in 5.x, where a positive value is refused)."""
+    for layer in kv_layers(cache):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def cache_keep_positions(cache: Any, start: int, keep: Sequence[int]) -> None:
+    """Keep positions ``[0, start)`` plus ``start + keep[j]`` (in this order) in every layer (in place).
+
+    ``keep`` are offsets relative to ``start`` (e.g. root + accepted tree path); everything after
+    ``start`` that is not listed is dropped.  A contiguous ``keep = [0, 1, ..., m-1]`` is a crop.
+    """
+    keep = [int(k) for k in keep]
+    if keep == list(range(len(keep))):
+        crop_cache(cache, start + len(keep))
+        return
+    for layer in kv_layers(cache):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        idx = torch.tensor([start + k for k in keep], dtype=torch.long, device=layer.keys.device)
+        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx)], dim=-2)
+        layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
+
+
 def _layers(cache: Any) -> list[Any]:
     layers = getattr(cache, "layers", None)
     if layers is None or any(not hasattr(layer, "keys") for layer in layers):
@@ -121,12 +169,46 @@ def _kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in _layers(cache)]
 
 
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Turn logits into the sampling distribution used by BOTH the draft and the target
+    (synth's engine, the eval decoder and every proposer).
+
+    ``temperature == 0`` gives a one-hot distribution on the argmax (greedy decoding; ``top_p`` is
+    ignored).  Otherwise ``softmax(logits / temperature)`` followed by a nucleus (top-p) filter
+    (Holtzman et al., 2020): keep the smallest set of highest-probability tokens whose cumulative
+    probability is ``>= top_p`` and renormalise.  ``top_p >= 1`` disables the filter.
+
+    Args:
+        logits: ``[..., V]`` float tensor.
+        temperature: ``>= 0``.
+        top_p: in ``(0, 1]``.
+
+    Returns:
+        ``[..., V]`` float32 probabilities summing to 1 on the last axis.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    logits = logits.float()
+    if temperature == 0:
+        idx = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
+    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = cum_before < top_p  # the first token is always kept (cum_before = 0)
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, sorted_idx, keep_sorted)
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
     """Next token of every row of ``logits`` ``[B, V]``: argmax, or a sample at ``temperature`` / ``top_p``."""
     if temperature <= 0.0:
         return logits.argmax(-1)
-    from eval.sampling import logits_to_probs
-
     probs = torch.stack([logits_to_probs(row, temperature, top_p) for row in logits])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

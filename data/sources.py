@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.config import ConfigError, DataConfig, SourceConfig, resolve_path
+from data.config import ConfigError, DataConfig, SourceConfig, resolve_path
 
 logger = logging.getLogger(__name__)
 

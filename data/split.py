@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.config import ConfigError, DataConfig
 from data.sources import Conversation, SkipCounter, check_sources, read_source
-from train.config import ConfigError, DataConfig
 
 logger = logging.getLogger(__name__)
 

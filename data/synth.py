@@ -31,15 +31,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from data.config import ConfigError, DataConfig, RunConfig, SynthConfig
 from data.generate import continuous_generate
+from data.manifest import read_manifest, write_manifest
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
 from data.split import check_data, heldout_score, select
 from data.target import Target, load_target, require_chat_template, resolve_target_path
+from data.tracking import log_stage
 from data.vllm_engine import VLLMEngine, find_engine_python
-from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from train.config import Config, ConfigError, DataConfig, SynthConfig
-from train.manifest import read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     atomic_write_with(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def plan_hash(cfg: Config, fingerprint: str, ids: list[tuple[str, str]]) -> str:
+def plan_hash(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> str:
     """Everything that determines the dataset's content (not how it is split across shards)."""
     synth = asdict(cfg.synth)
     for k in ("num_shards", "shard_index", "batch_size"):
@@ -394,7 +395,7 @@ def stats_path(out: Path, idx: int) -> Path:
     return out / "stats" / f"chunk-{idx:05d}.json"
 
 
-def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
+def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     """Run (this shard of) stage synth into ``out``; merge when every chunk is done.
 
     Returns the merged manifest, or None when other shards still have work left.
@@ -476,7 +477,7 @@ def run_synth(cfg: Config, out: Path) -> dict[str, Any] | None:
     return merge(cfg, out, elapsed=time.perf_counter() - t_start)
 
 
-def start_engine(cfg: Config, target: Target) -> VLLMEngine | None:
+def start_engine(cfg: RunConfig, target: Target) -> VLLMEngine | None:
     """Start the vLLM worker when ``synth.engine`` is vllm (or auto and one is found); None means the HF engine."""
     sc = cfg.synth
     if sc.engine not in ("vllm", "auto"):
@@ -503,7 +504,7 @@ def start_engine(cfg: Config, target: Target) -> VLLMEngine | None:
     )
 
 
-def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any]:
+def merge(cfg: RunConfig, out: Path, elapsed: float | None = None) -> dict[str, Any]:
     """Check that every chunk exists and write ``manifest.json`` (counts, skips, throughput)."""
     plan_file = out / "plan.json"
     if not plan_file.is_file():
@@ -555,7 +556,6 @@ def merge(cfg: Config, out: Path, elapsed: float | None = None) -> dict[str, Any
         },
         files={"data": "data/chunk-*.parquet", "heldout": "heldout.jsonl"},
     )
-    from train.tracking import log_stage
 
     log_stage(
         cfg,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from train.atomic import atomic_dir
-from train.config import ConfigError, TargetConfig, resolve_path
+from data.atomic import atomic_dir
+from data.config import ConfigError, TargetConfig, resolve_path
 
 logger = logging.getLogger(__name__)
 

@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from data.generate import model_forward, new_cache
+from data.generate import cache_keep_positions, cache_seq_len, crop_cache, kv_layers, model_forward, new_cache
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer, TargetOutput
 from eval.sampling import logits_to_probs, sample_from_probs, verify_tree
-from eval.tree import DraftTree, tree_attention_mask, tree_position_ids
+from eval.tree import TREE_ATTN_IMPLEMENTATIONS, DraftTree, tree_attention_mask, tree_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -64,57 +64,10 @@ __all__ = [
     "plain_decode",
 ]
 
-TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-
 
 # ----------------------------------------------------------------------------------------------
 # transformers plumbing
 # ----------------------------------------------------------------------------------------------
-
-
-def _kv_layers(cache: Any) -> list[Any]:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise NotImplementedError(f"unsupported cache type {type(cache).__name__} (no .layers)")
-    for layer in layers:
-        if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") or not hasattr(layer, "values"):
-            raise NotImplementedError(
-                f"cache layer {type(layer).__name__} cannot be rolled back by slicing "
-                "(only full-attention DynamicLayer caches are supported)"
-            )
-    return list(layers)
-
-
-def cache_seq_len(cache: Any) -> int:
-    """Number of tokens held by the cache."""
-    return int(cache.get_seq_length())
-
-
-def crop_cache(cache: Any, length: int) -> None:
-    """Keep only the first ``length`` positions of every layer (in place)."""
-    for layer in _kv_layers(cache):
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
-
-
-def cache_keep_positions(cache: Any, start: int, keep: Sequence[int]) -> None:
-    """Keep positions ``[0, start)`` plus ``start + keep[j]`` (in this order) in every layer (in place).
-
-    ``keep`` are offsets relative to ``start`` (e.g. root + accepted tree path); everything after
-    ``start`` that is not listed is dropped.  A contiguous ``keep = [0, 1, ..., m-1]`` is a crop.
-    """
-    keep = [int(k) for k in keep]
-    if keep == list(range(len(keep))):
-        crop_cache(cache, start + len(keep))
-        return
-    for layer in _kv_layers(cache):
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        idx = torch.tensor([start + k for k in keep], dtype=torch.long, device=layer.keys.device)
-        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, idx)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, idx)], dim=-2)
 
 
 def build_verification_mask(
@@ -279,7 +232,7 @@ class SpeculativeDecoder:
         state.stats.target_time_s += time.perf_counter() - t0
         state.stats.target_forwards += 1
         state.stats.prefill_forwards += 1
-        _kv_layers(state.cache)  # fail early on caches that cannot be rolled back
+        kv_layers(state.cache)  # fail early on caches that cannot be rolled back
 
         self.proposer.setup(self.temperature, self.top_p, generator)
         hidden = _hidden_dict(out, slice(None), self.proposer.aux_hidden_layers) if want_hidden else None

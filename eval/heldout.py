@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from data.config import ConfigError, SourceConfig
 from data.render import prompt_ids
+from data.sources import Skip, _records_from_file, normalise_messages, source_files
 from eval.decoder import SpeculativeDecoder
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer
@@ -61,8 +63,6 @@ def traffic_prompts(
     Rows carry OpenAI-style ``messages`` (the prompt is everything up to the first user turn) or a ``prompt``
     string. Rows that cannot be used are skipped and counted by reason (returned with the prompts).
     """
-    from data.sources import Skip, _records_from_file, normalise_messages, source_files
-    from train.config import ConfigError, SourceConfig
 
     files = source_files("eval", SourceConfig(kind="jsonl", paths=[pattern]), key="eval.prompts")
     skipped: dict[str, int] = {}

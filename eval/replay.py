@@ -34,16 +34,21 @@ import hashlib
 import json
 import logging
 import math
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
+from data.atomic import atomic_write_text
 from data.generate import continuous_generate, model_forward
+from eval.lanes import LaneBatcher, batchable_linears, batched_linears
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer, TargetOutput
 from eval.sampling import children_lists, greedy_walk, logits_to_probs
@@ -135,7 +140,6 @@ class ContinuationCache:
     def _store(self) -> None:
         """Rewrite the cache file atomically; a cache that cannot be written (read-only synth dir, full disk) only
         costs a regeneration next time, so it is a warning, not a failure."""
-        from train.atomic import atomic_write_text
 
         if self._unwritable:
             return
@@ -337,7 +341,6 @@ def bootstrap_tau_ci(
     tau of a sample is a ratio (tokens emitted over verification steps, pooled over its prompts), so each
     replicate pools the resampled prompts' counters the same way. NaN when there are no steps.
     """
-    import numpy as np
 
     num = np.array([sum(a + 1 for a in s.accepted_lengths) for s in per_prompt], dtype=np.float64)
     den = np.array([len(s.accepted_lengths) for s in per_prompt], dtype=np.float64)
@@ -365,7 +368,6 @@ def paired_tau_diff(
     prompts where ``b``'s own tau is higher / lower. None when the records cannot be paired (no ids, or fewer
     than two shared prompts).
     """
-    import numpy as np
 
     if not a or not b or not a.get("ids") or not b.get("ids"):
         return None
@@ -442,7 +444,6 @@ def replay_many(
     outputs keyed ``"source:id"``, and the total trace seconds. With lanes, a prompt's ``draft_time_s`` is the
     time its lane took, waiting for the other lanes included.
     """
-    from eval.lanes import LaneBatcher, batchable_linears, batched_linears
 
     need, layers = union_hidden_layers(list(proposers.values()))
     linears = {name: batchable_linears(p, LANE_MIN_WEIGHTS) for name, p in proposers.items()} if lanes > 1 else {}
@@ -462,9 +463,6 @@ def replay_many(
             direct(i, trace, list(proposers))
             bar.update(1)
     else:
-        import queue
-        import threading
-
         n_lanes = min(lanes, len(prompts))
         batcher = LaneBatcher()
         work: queue.Queue[tuple[int, TargetTrace] | None] = queue.Queue(maxsize=n_lanes)

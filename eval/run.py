@@ -14,7 +14,6 @@ tau = 1); alpha_i = P(draft position i accepted | position i-1 accepted). See :m
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import time
@@ -26,14 +25,28 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from data.config import ConfigError
+from data.manifest import write_manifest
+from data.render import prompt_ids
+from data.sources import SkipCounter
+from data.split import select
 from data.target import Target, load_target
-from eval.heldout import Prompt, load_heldout
+from data.tracking import Tracker
+from eval.config import EvalRunConfig
+from eval.decoder import SpeculativeDecoder, plain_decode
+from eval.heldout import Prompt, load_heldout, traffic_prompts
+from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
 from eval.metrics import DecodeStats, expected_tokens_per_step
-from eval.replay import ContinuationCache, bootstrap_tau_ci, describe_interval, replay_many
-from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from train.config import Config, ConfigError
-from train.manifest import write_manifest
-from train.tracking import Tracker
+from eval.proposers import DraftModelProposer, PromptLookupProposer
+from eval.replay import (
+    ContinuationCache,
+    ExpectedAcceptance,
+    bootstrap_tau_ci,
+    describe_interval,
+    expected_acceptance,
+    replay_many,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +54,9 @@ PROPOSERS = ("drafter", "prompt_lookup", "draft_model", "hf_assisted", "hf_promp
 
 
 GenerateFn = Callable[[Prompt, torch.Tensor], tuple[list[int], DecodeStats]]
+DrafterLoader = Callable[[str, Target], tuple[Any, torch.nn.Module, Any]]
+"""``load(directory, target) -> (family spec, drafter module, drafter config)`` for a saved drafter: the train
+layer passes :func:`train.drafters.registry.load_drafter` down (eval never imports the drafter families)."""
 
 
 @dataclass
@@ -102,8 +118,7 @@ def _decode_budget(e: Any) -> tuple[int, int]:
     return min(e.decode_prompts, e.num_prompts), min(e.decode_max_new_tokens, e.max_new_tokens)
 
 
-def _ours(target: Target, proposer: Any, cfg: Config) -> GenerateFn:
-    from eval.decoder import SpeculativeDecoder
+def _ours(target: Target, proposer: Any, cfg: EvalRunConfig) -> GenerateFn:
 
     dec = SpeculativeDecoder(target.model, proposer, temperature=cfg.eval.temperature, top_p=cfg.eval.top_p)
 
@@ -115,8 +130,7 @@ def _ours(target: Target, proposer: Any, cfg: Config) -> GenerateFn:
     return fn
 
 
-def _plain(target: Target, cfg: Config) -> GenerateFn:
-    from eval.decoder import plain_decode
+def _plain(target: Target, cfg: EvalRunConfig) -> GenerateFn:
 
     def fn(p: Prompt, ids: torch.Tensor) -> tuple[list[int], DecodeStats]:
         gen = torch.Generator().manual_seed(cfg.eval.seed) if cfg.eval.temperature > 0 else None
@@ -176,34 +190,9 @@ def load_draft_model(spec: str, target: Target) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=target.model.dtype).eval()
 
 
-def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, Any]:
-    """Load a saved drafter directory: (spec, module, drafter config)."""
-    from train.drafters import registry
-
-    path = Path(directory)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"No drafter checkpoint in {path}: run stage=train for this run_name first, or set eval.drafter_dir"
-        )
-    meta = json.loads((path / "config.json").read_text(encoding="utf-8")).get("draftsmith", {}).get("drafter")
-    if not meta:
-        raise ValueError(f"{path}/config.json does not say which drafter family it holds (draftsmith.drafter)")
-    spec = registry.get(meta["name"])
-    dcfg = spec.config_cls(**meta)
-    if (path / "tokenizer_config.json").is_file():  # a drafter that carries a tokenizer must carry the target's
-        from transformers import AutoTokenizer
-
-        from eval.proposers.draft_model import check_vocab_compatibility
-
-        vocab = target.model.config.vocab_size
-        check_vocab_compatibility(vocab, vocab, target.tokenizer, AutoTokenizer.from_pretrained(str(path)))
-    return spec, spec.load(str(path), target.model, dcfg), dcfg
-
-
-def build_methods(cfg: Config, target: Target) -> list[Method]:
-    """The proposers named in ``eval.proposers`` (name, decode function, chain K, proposer)."""
-    from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
-    from eval.proposers import DraftModelProposer, PromptLookupProposer
+def build_methods(cfg: EvalRunConfig, target: Target, load_drafter: DrafterLoader | None = None) -> list[Method]:
+    """The proposers named in ``eval.proposers`` (name, decode function, chain K, proposer); the trained drafter
+    (``drafter``) is loaded with ``load_drafter``."""
 
     e = cfg.eval
     unknown = [p for p in e.proposers if p not in PROPOSERS]
@@ -226,6 +215,10 @@ def build_methods(cfg: Config, target: Target) -> list[Method]:
         draft = load_draft_model(e.draft_model, target)
     for name in e.proposers:
         if name == "drafter":
+            if load_drafter is None:
+                raise ConfigError(
+                    "eval.proposers has 'drafter' but no drafter loader was given (run it via python -m train)"
+                )
             spec, module, dcfg = load_drafter(e.drafter_dir or f"{cfg.train_dir}/best", target)
             for mode in modes:
                 d = copy.copy(dcfg)
@@ -476,17 +469,12 @@ def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def select_prompts(cfg: Config, target: Target) -> list[Prompt]:
+def select_prompts(cfg: EvalRunConfig, target: Target) -> list[Prompt]:
     """Held-out prompts: from the synth run's split, or straight from the configured data sources' split."""
     if cfg.eval.prompts == "synth":
         return load_heldout(cfg.synth_dir, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)
     if cfg.eval.prompts != "data":
-        from eval.heldout import traffic_prompts
-
         return traffic_prompts(cfg.eval.prompts, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)[0]
-    from data.render import prompt_ids
-    from data.sources import SkipCounter
-    from data.split import select
 
     data = copy.deepcopy(cfg.data)
     data.num_prompts, data.max_heldout = 0, cfg.eval.num_prompts
@@ -516,7 +504,7 @@ def check_eval_config(e: Any) -> None:
         )
 
 
-def continuations_dir(cfg: Config, run_dir: Path) -> Path:
+def continuations_dir(cfg: EvalRunConfig, run_dir: Path) -> Path:
     """Where the greedy continuations of the judged prompts are cached."""
     if cfg.eval.continuations_dir:
         return Path(cfg.eval.continuations_dir)
@@ -525,7 +513,7 @@ def continuations_dir(cfg: Config, run_dir: Path) -> Path:
     return run_dir / "replay"
 
 
-def load_continuations(cfg: Config, target: Target, prompts: list[Prompt], run_dir: Path) -> list[list[int]]:
+def load_continuations(cfg: EvalRunConfig, target: Target, prompts: list[Prompt], run_dir: Path) -> list[list[int]]:
     """The target's greedy continuation of every prompt (``eval.max_new_tokens``), from the cache or made now."""
     cache = ContinuationCache(continuations_dir(cfg, run_dir), target.fingerprint)
     return cache.get(
@@ -538,7 +526,7 @@ def load_continuations(cfg: Config, target: Target, prompts: list[Prompt], run_d
 
 
 def replay_methods(
-    cfg: Config, target: Target, prompts: list[Prompt], methods: list[Method], run_dir: Path
+    cfg: EvalRunConfig, target: Target, prompts: list[Prompt], methods: list[Method], run_dir: Path
 ) -> tuple[dict[str, Result], dict[str, float]]:
     """Replay every method that has a proposer on every prompt (continuations cached on disk)."""
     e = cfg.eval
@@ -568,11 +556,10 @@ def replay_methods(
 
 
 def expected_along_paths(
-    cfg: Config, target: Target, method: Method, prompts: list[Prompt], base: Result
+    cfg: EvalRunConfig, target: Target, method: Method, prompts: list[Prompt], base: Result
 ) -> dict[str, tuple[float, list[float]]]:
     """Sampling: the expected tau and alpha_j of a sampled-chain method along plain decoding's sampled outputs
     (:func:`eval.replay.expected_acceptance`), per source; empty for methods without sampled chain drafts."""
-    from eval.replay import ExpectedAcceptance, expected_acceptance
 
     if method.proposer is None:
         return {}
@@ -611,13 +598,15 @@ def first_per_source(prompts: list[Prompt], n: int) -> list[Prompt]:
     return out
 
 
-def run_eval(cfg: Config, run_dir: Path, target: Target | None = None) -> dict[str, Any]:
+def run_eval(
+    cfg: EvalRunConfig, run_dir: Path, target: Target | None = None, load_drafter: DrafterLoader | None = None
+) -> dict[str, Any]:
     e = cfg.eval
     check_eval_config(e)
     t0 = time.perf_counter()
     target = target or load_target(cfg.target)
     prompts = select_prompts(cfg, target)
-    methods = build_methods(cfg, target)  # check every proposer before the expensive runs
+    methods = build_methods(cfg, target, load_drafter)  # check every proposer before the expensive runs
     sources = [*sorted({p.source for p in prompts}), "all"]
     n_dec, tok_dec = _decode_budget(e)
     logger.info(

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from data.generate import logits_to_probs
+
 if TYPE_CHECKING:
     from eval.tree import DraftTree
 
@@ -41,41 +43,6 @@ __all__ = [
 ]
 
 _MASS_EPS = 0.0  # a residual with total mass <= this is treated as empty
-
-
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Turn logits into the sampling distribution used by BOTH the draft and the target.
-
-    ``temperature == 0`` gives a one-hot distribution on the argmax (greedy decoding; ``top_p`` is
-    ignored).  Otherwise ``softmax(logits / temperature)`` followed by a nucleus (top-p) filter
-    (Holtzman et al., 2020): keep the smallest set of highest-probability tokens whose cumulative
-    probability is ``>= top_p`` and renormalise.  ``top_p >= 1`` disables the filter.
-
-    Args:
-        logits: ``[..., V]`` float tensor.
-        temperature: ``>= 0``.
-        top_p: in ``(0, 1]``.
-
-    Returns:
-        ``[..., V]`` float32 probabilities summing to 1 on the last axis.
-    """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    logits = logits.float()
-    if temperature == 0:
-        idx = logits.argmax(dim=-1, keepdim=True)
-        return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
-    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = cum_before < top_p  # the first token is always kept (cum_before = 0)
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, sorted_idx, keep_sorted)
-    probs = probs * keep
-    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def uniform(generator: torch.Generator | None) -> float:

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+"""Target attention implementations that honour a custom 4-D tree mask (flash kernels do not)."""
+
 logger = logging.getLogger(__name__)
 
 __all__ = [

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print(json.dumps({"synth": synth_report}, indent=2), flush=True)
     from transformers import AutoConfig
 
+    from data.config import TargetConfig
     from data.target import resolve_target_path
-    from train.config import TargetConfig
 
     tc = AutoConfig.from_pretrained(resolve_target_path(TargetConfig()))
     H, V = tc.hidden_size, tc.vocab_size

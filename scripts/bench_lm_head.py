@@ -39,8 +39,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from data.config import TargetConfig
     from data.target import load_target
-    from train.config import TargetConfig
 
     target = load_target(TargetConfig(device="cpu", dtype="float32"))
     model, H = target.model, target.model.config.hidden_size

@@ -330,7 +330,7 @@ def default_name(args: argparse.Namespace) -> str:
 
 def target_config(synth_manifest: dict[str, Any]) -> Any:
     """The target config the synth data was made with (from its manifest)."""
-    from train.config import TargetConfig
+    from data.config import TargetConfig
 
     saved = synth_manifest["config"]["target"]
     names = {f.name for f in fields(TargetConfig)}
@@ -421,9 +421,9 @@ def main() -> None:
     if not engine.is_file():
         raise SystemExit(f"{engine} not found: build the engine venv with scripts/engine_env.sh")
 
+    from data.manifest import read_manifest
     from data.target import load_target
     from train.batches import load_rows
-    from train.manifest import read_manifest
 
     synth_dir = Path(args.synth_dir)
     synth = read_manifest(synth_dir / "manifest.json")

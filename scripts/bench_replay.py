@@ -58,6 +58,7 @@ def main() -> None:
     from eval.replay import replay_many
     from eval.run import build_methods, first_per_source, load_continuations, select_prompts
     from train.config import register_configs
+    from train.drafters.registry import load_drafter
 
     register_configs()
     conf = Path(__file__).resolve().parent.parent / "conf"
@@ -68,7 +69,7 @@ def main() -> None:
     e = cfg.eval
     target = load_target(cfg.target)
     prompts = select_prompts(cfg, target)
-    methods = [m for m in build_methods(cfg, target) if m.proposer is not None]
+    methods = [m for m in build_methods(cfg, target, load_drafter) if m.proposer is not None]
     eos = target.tokenizer.eos_token_id
 
     t0 = time.perf_counter()

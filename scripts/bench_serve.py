@@ -88,9 +88,9 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from vllm_parity import ENGINE_PY, export_for_engine
 
+    from data.config import TargetConfig
     from data.target import load_target
     from eval.heldout import load_heldout
-    from train.config import TargetConfig
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     out = Path(args.out)

@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
+from data.config import DataConfig, SourceConfig, SynthConfig, TargetConfig
 from data.render import prompt_ids
 from data.sources import Conversation, SkipCounter
 from data.split import select
 from data.synth import generate_batch, synth_chunk
 from data.target import Target, load_target
-from train.config import DataConfig, SourceConfig, SynthConfig, TargetConfig
 
 SOURCES = {
     "sharegpt": {"sharegpt": SourceConfig(kind="sharegpt", weight=1.0)},

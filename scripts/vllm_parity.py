@@ -9,7 +9,7 @@ Two halves, two environments:
   every prompt greedily with our ``SpeculativeDecoder`` + ``DraftModelProposer`` (chain, K), then runs the
   second half in the engine venv and compares.
 * ``python scripts/vllm_parity.py --drafter runs/quickstart_eagle3/train/best --k 3`` does the same for a drafter
-  the pipeline trained: our side decodes with the family's own proposer (``eval.run.load_drafter`` +
+  the pipeline trained: our side decodes with the family's own proposer (``train.drafters.registry.load_drafter`` +
   ``spec.proposer`` with ``decode=chain, chain_k=K``, exactly as the eval stage does), the engine side serves the
   drafter's export (made with the export stage's machinery into ``OUT/export_<format>``, or ``--export-dir``):
   an EAGLE-3 head in the speculators format (``{"method": "eagle3", "model": dir}``), a standalone draft as its
@@ -116,8 +116,8 @@ def prepare_draft(spec: str, target: Any, out: Path) -> Path:
     """A plain HF draft directory with the target's tokenizer (``target_layers:N`` or an existing directory)."""
     if not spec.startswith("target_layers:"):
         return Path(spec)
+    from data.atomic import atomic_dir
     from eval.run import load_draft_model
-    from train.atomic import atomic_dir
     from train.export.core import check_tensors, read_shapes
     from train.export.standalone import required_for, state_for, write_hf_dir
 
@@ -147,7 +147,7 @@ def drafter_proposer(target: Any, drafter_dir: Path, k: int) -> Any:
     """The family's own proposer for a trained drafter, as the eval stage builds it (chain, K)."""
     import copy
 
-    from eval.run import load_drafter
+    from train.drafters.registry import load_drafter
 
     spec, module, dcfg = load_drafter(str(drafter_dir), target)
     d = copy.copy(dcfg)
@@ -165,7 +165,7 @@ def engine_format(family: str) -> tuple[str, str | None]:
 
 def export_for_engine(target: Any, drafter_dir: Path, out: Path) -> tuple[Path, str | None]:
     """Export a trained drafter in the format vLLM serves (checked and round-tripped by the export stage)."""
-    from eval.run import load_drafter
+    from train.drafters.registry import load_drafter
     from train.export import drafter_family, export_drafter
     from train.export.core import Source, get_format
 
@@ -315,9 +315,9 @@ def load_train_prompts(synth_dir: str | Path, per_source: int, max_prompt_tokens
 def main_side(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from data.config import TargetConfig
     from data.target import load_target
     from eval.heldout import load_heldout
-    from train.config import TargetConfig
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     out = Path(args.out)

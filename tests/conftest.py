@@ -36,8 +36,8 @@ def target():
     """The real embedded SmolLM2-135M target (fp32, CPU)."""
     import torch
 
+    from data.config import TargetConfig
     from data.target import load_target
-    from train.config import TargetConfig
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     return load_target(TargetConfig(device="cpu"))

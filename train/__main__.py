@@ -22,9 +22,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from data.config import ConfigError
+from data.manifest import check_same_config
 from train.checkpoints import check_drafter_dir
-from train.config import Config, ConfigError, check_overrides, check_run_name, register_configs
-from train.manifest import check_same_config
+from train.config import Config, check_overrides, check_run_name, register_configs
 from train.runlock import run_lock
 
 logger = logging.getLogger("train")
@@ -52,7 +53,7 @@ def _stage_merge(cfg: Config, run_dir: Path) -> Any:
 
 
 def _stage_features(cfg: Config, run_dir: Path) -> Any:
-    from data.features import run_features
+    from train.features import run_features
 
     with run_lock(run_dir, "features"):
         return run_features(cfg, run_dir)
@@ -77,11 +78,13 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
 
             check_heldout_file(cfg.synth_dir)
         elif cfg.eval.prompts != "data":  # a traffic file or glob
+            from data.config import SourceConfig
             from data.sources import source_files
-            from train.config import SourceConfig
 
             source_files("eval", SourceConfig(kind="jsonl", paths=[cfg.eval.prompts]), key="eval.prompts")
-        return run_eval(cfg, run_dir)
+        from train.drafters.registry import load_drafter
+
+        return run_eval(cfg, run_dir, load_drafter=load_drafter)
 
 
 def _stage_export(cfg: Config, run_dir: Path) -> Any:

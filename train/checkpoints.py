@@ -16,7 +16,9 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from train.config import ConfigError, changed_keys, is_safe_change
+from safetensors import safe_open
+
+from data.config import ConfigError, changed_keys, is_safe_change
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,6 @@ def check_state_file(path: Path) -> None:
 
 
 def check_safetensors(path: Path) -> None:
-    from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as fh:

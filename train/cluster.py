@@ -29,8 +29,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from train.atomic import atomic_write_json, atomic_write_text
-from train.config import Config, ConfigError
+from omegaconf import OmegaConf
+
+from data.atomic import atomic_write_json, atomic_write_text
+from data.config import ConfigError
+from train.config import Config
 
 logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
@@ -214,7 +217,6 @@ class Submission:
         cfg = self.cfg
         if cfg.slurm.snapshot:
             snapshot_code(self.code)
-        from omegaconf import OmegaConf
 
         atomic_write_text(self.dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         atomic_write_text(self.dir / "overrides.txt", "\n".join(self.overrides) + "\n")

@@ -1,12 +1,16 @@
-"""Stage compare: runs side by side, from run-directory manifests and local (offline) W&B runs.
+"""Stage compare: runs side by side, from the manifests and metrics files the stages write.
 
 ``python -m train stage=compare runs=[runs/quickstart,runs/quickstart_orig]`` reads, for each entry:
 
 - a run directory ``runs/<name>`` (its ``synth/``, ``features/``, ``train/``, ``eval/`` stage directories), or one
   stage directory: eval ``metrics.json`` (tau and speedup per method and source), train ``manifest.json``
   (tokens/s, steps, global batch, seconds), synth ``manifest.json`` (conversations, generated tokens);
-- a W&B offline run directory (``wandb/offline-run-*``) or a directory holding some: its ``run-*.wandb`` log
-  (config, history, summary), read without W&B's servers, for whatever the manifests do not hold.
+- a W&B offline run directory (``<stage dir>/wandb/offline-run-*``), its ``run-*.wandb`` file or the ``wandb/``
+  folder: the stage directory that wrote it, read as above.
+
+Everything comes from the project's own files (manifests and ``metrics.json`` hold every figure shown); W&B's
+run files are a private binary format, never decoded here: look at curves in W&B itself (``wandb sync`` uploads
+an offline run).
 
 It prints a table (rows: held-out tau per method and source, speedup, training tokens/s, budget; one column per
 run) and writes ``compare.md``, ``compare.json`` and ``compare.png`` into its run directory atomically.
@@ -17,14 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from pathlib import Path
 from typing import Any
 
+from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from data.config import ConfigError
+from data.manifest import write_manifest
 from eval.replay import describe_paired, paired_tau_diff
-from train.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from train.config import Config, ConfigError
-from train.manifest import write_manifest
+from train.config import Config
 
 logger = logging.getLogger(__name__)
 STAGE_DIRS = ("synth", "features", "train", "eval", "export")
@@ -33,76 +37,15 @@ STAGE_DIRS = ("synth", "features", "train", "eval", "export")
 # -- W&B offline runs ------------------------------------------------------------------------------------
 
 
-def read_wandb_log(path: Path) -> dict[str, Any]:
-    """Decode a W&B ``run-*.wandb`` file (a LevelDB-style record log of protobuf ``Record`` messages).
-
-    Returns ``{"name", "group", "job_type", "config", "summary", "history": [{key: value}, ...]}``.
-    """
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    block, header = 32768, 7
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B run log")
-    out: dict[str, Any] = {"name": None, "group": None, "job_type": None, "config": {}, "summary": {}, "history": []}
-    pos, pending = header, b""
-
-    def value(item: Any) -> tuple[str, Any]:
-        key = item.key or "/".join(item.nested_key)
-        try:
-            return key, json.loads(item.value_json)
-        except ValueError:
-            return key, item.value_json
-
-    while pos + header <= len(data):
-        left = block - pos % block
-        if left < header:  # block trailer padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + header])
-        chunk = data[pos + header : pos + header + length]
-        pos += header + length
-        if kind == 0 and length == 0:
-            continue
-        if kind in (1, 2):  # full, first
-            pending = chunk
-        else:  # middle, last
-            pending += chunk
-        if kind not in (1, 4):
-            continue
-        rec = pb.Record()
-        try:
-            rec.ParseFromString(pending)
-        except Exception:  # a truncated tail (a crashed run): keep what was read
-            break
-        which = rec.WhichOneof("record_type")
-        if which == "run":
-            out["name"], out["group"], out["job_type"] = rec.run.display_name, rec.run.run_group, rec.run.job_type
-            for item in rec.run.config.update:
-                k, v = value(item)
-                out["config"][k] = v
-        elif which == "config":
-            for item in rec.config.update:
-                k, v = value(item)
-                out["config"][k] = v
-        elif which == "history":
-            out["history"].append(dict(value(i) for i in rec.history.item))
-        elif which == "summary":
-            for item in rec.summary.update:
-                k, v = value(item)
-                out["summary"][k] = v
-    for row in out["history"]:  # the last value of every logged key, under what summary says
-        for k, v in row.items():
-            if not k.startswith("_"):
-                out["summary"].setdefault(k, v)
-    return out
-
-
-def wandb_runs(path: Path) -> list[Path]:
-    """The ``run-*.wandb`` logs under ``path`` (an offline run directory or a directory above some)."""
-    if path.is_file() and path.suffix == ".wandb":
-        return [path]
-    return sorted(path.glob("run-*.wandb")) or sorted(path.glob("**/offline-run-*/run-*.wandb"))
+def stage_dir_of_wandb(path: Path) -> Path | None:
+    """The stage directory that wrote a W&B offline run (given as ``run-*.wandb``, ``offline-run-*`` or the
+    ``wandb/`` folder inside the stage directory), or None when ``path`` is none of these."""
+    p = path.resolve()
+    if p.is_file() and p.suffix == ".wandb":
+        p = p.parent
+    if p.name.startswith(("offline-run-", "run-")) and p.parent.name == "wandb":
+        p = p.parent
+    return p.parent if p.name == "wandb" and p.is_dir() else None
 
 
 # -- one run ------------------------------------------------------------------------------------------------
@@ -136,36 +79,14 @@ def _label(path: Path) -> str:
     return p.name
 
 
-def _from_wandb(run: dict[str, Any], into: dict[str, Any]) -> None:
-    """Fill the fields a manifest would give from a W&B run's summary (eval keys: method/source/metric)."""
-    s, job = run["summary"], run.get("job_type")
-    if job == "eval" or any(k.endswith("/tau") for k in s):
-        for key, v in s.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[2] in ("tau", "speedup") and isinstance(v, int | float):
-                into["eval"].setdefault(parts[0], {}).setdefault(parts[1], {}).setdefault(parts[2], v)
-    if job == "train" or "train/tokens_per_s" in s:
-        t = into["train"]
-        t.setdefault("tokens_per_s", s.get("train/tokens_per_s"))
-        steps = [row["_step"] for row in run["history"] if "_step" in row]
-        t.setdefault("steps", max(steps) if steps else None)
-        t.setdefault("best_tau", s.get("best_tau"))
-        cfg = run["config"]
-        tr = cfg.get("train", {}) if isinstance(cfg.get("train"), dict) else {}
-        if tr and t.get("global_batch") is None:
-            t["global_batch"] = tr.get("micro_batch_size", 0) * tr.get("grad_accum", 1)
-        if tr and t.get("max_steps") is None:
-            t["max_steps"] = tr.get("max_steps")
-
-
 def load_run(entry: str) -> dict[str, Any]:
-    """Everything compare shows about one run, from its manifests, then its W&B offline runs."""
+    """Everything compare shows about one run, from its stage directories' manifests and eval metrics."""
     path = Path(entry).expanduser()
     if not path.exists():
         raise ConfigError(f"runs=[...]: {entry} does not exist (give runs/<name>, a stage dir or a W&B run dir)")
     run: dict[str, Any] = {"label": _label(path), "path": str(path), "eval": {}, "train": {}, "synth": {}}
     run["sources"] = []
-    dirs = _stage_dirs(path)
+    dirs = _stage_dirs(stage_dir_of_wandb(path) or path)
     metrics = _read_json(dirs["eval"] / "metrics.json") if "eval" in dirs else None
     if metrics:
         for method, per in metrics["metrics"].items():
@@ -211,18 +132,8 @@ def load_run(entry: str) -> dict[str, Any]:
             "generation_seconds": timings.get("generation_seconds"),
         }
         run["sources"].append(str(dirs["synth"] / "manifest.json"))
-    logs = wandb_runs(path)
-    if not logs:
-        for d in dirs.values():
-            logs += wandb_runs(d / "wandb")
-    for log in logs:
-        try:
-            _from_wandb(read_wandb_log(log), run)
-            run["sources"].append(str(log))
-        except (ValueError, OSError) as exc:
-            logger.warning("skipping W&B log %s: %s", log, exc)
     if not run["sources"]:
-        raise ConfigError(f"runs=[...]: nothing to compare in {entry} (no eval/train/synth manifest, no W&B run)")
+        raise ConfigError(f"runs=[...]: nothing to compare in {entry} (no eval metrics.json, no train/synth manifest)")
     return run
 
 

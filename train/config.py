@@ -9,114 +9,21 @@ Code below the entry point receives a :class:`Config` object, never a ``DictConf
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
-
-@dataclass
-class TargetConfig:
-    """The target model whose outputs the drafter learns to predict."""
-
-    name: str = "smollm2-135m"
-    """A label for logs and manifests."""
-    path: str | None = None
-    """A local Hugging Face directory or a hub id; None selects the embedded SmolLM2 GGUF."""
-    gguf_file: str | None = None
-    """A GGUF file name inside ``path`` (converted once to a cached safetensors directory)."""
-    dtype: str = "auto"
-    """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."""
-    device: str = "auto"
-    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
-    trust_remote_code: bool = False
-    """Run model code shipped with the checkpoint. Off unless you trust the checkpoint's author."""
-    cache_dir: str | None = None
-    """Where converted targets (GGUF -> safetensors) are cached, keyed by the GGUF's hash
-    (None: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith)."""
-
-    def resolved_cache_dir(self) -> str:
-        return resolve_path(self.cache_dir or os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith")
-
-
-@dataclass
-class SourceConfig:
-    """One prompt source in the data mixture."""
-
-    kind: str = "sharegpt"
-    """sharegpt | humaneval | jsonl."""
-    weight: float = 1.0
-    """Share of ``data.num_prompts`` drawn from this source (weights are normalised)."""
-    paths: list[str] = field(default_factory=list)
-    """For kind=jsonl: JSONL or Parquet files with OpenAI-style ``messages`` lists or ``prompt`` strings."""
-    max_records: int | None = None
-    """Read at most this many records from the source (None: all)."""
-    regenerate: float | None = None
-    """Share of this source's training conversations whose answers the target regenerates in stage synth (picked
-    by a salted hash of the id); the others keep the dataset's own answers, which cost no generation, only the
-    one target forward every row gets for its features. None: all of them when synth.regenerate, else none."""
-
-
-@dataclass
-class DataConfig:
-    """Prompt sources (real traffic), their mixture, validation limits and the held-out split."""
-
-    sources: dict[str, SourceConfig] = field(default_factory=dict)
-    """Named prompt sources; set by the data group (data=sharegpt|humaneval|mix|jsonl), which replaces the
-    whole mapping (a source named in a YAML file is never silently mixed with the default's)."""
-    num_prompts: int | None = None
-    """Training conversations to synthesise in total (None: every valid training conversation)."""
-    heldout_fraction: float = 0.05
-    """Fraction of conversations (by hashed id) held out for evaluation and never trained on."""
-    split_salt: str = "heldout-v1"
-    """Salt of the hash that assigns conversations to the held-out split; change it to redraw the split."""
-    max_heldout: int = 200
-    """Held-out conversations written per source for the eval stage."""
-    max_turns: int = 4
-    """User turns kept per conversation (later turns are dropped)."""
-    max_prompt_tokens: int = 1024
-    """A conversation whose first prompt is longer than this (in target tokens) is skipped and counted."""
-    max_message_chars: int = 16000
-    """A message longer than this (in characters) makes the row malformed (skipped and counted)."""
-    shuffle_seed: int = 0
-    """Seed of the deterministic shuffle that picks which conversations are used."""
-
-
-@dataclass
-class SynthConfig:
-    """Stage synth: decode real prompts through the target ("mid-training" data)."""
-
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    """0 means greedy decoding."""
-    top_p: float = 1.0
-    batch_size: int = 16
-    """Rows decoded together: engine=hf keeps this many rows in its batch (continuous batching); engine=hf_generate
-    decodes length-sorted, left-padded batches of this size."""
-    engine: str = "hf"
-    """hf: continuous batching on the HF target (data/generate.py: every prompt prefilled alone, finished rows
-    replaced at once) | hf_generate: transformers' ``generate`` on padded batches (the reference path) |
-    vllm: a vLLM worker process (data/vllm_engine.py; continuous batching, paged KV cache) | auto: vllm when a
-    Python that imports vllm is found (``vllm_python``, $DRAFTSMITH_VLLM_PYTHON, this one, ./.venv-engine),
-    else hf."""
-    vllm_python: str | None = None
-    """Interpreter that runs the vLLM worker (e.g. .venv-engine/bin/python); None: look for one (see engine)."""
-    vllm_dtype: str = "float32"
-    """vLLM weights/activations dtype: float32 (greedy rows equal the HF engine's) | bfloat16 | float16 | auto."""
-    vllm_eager: bool = True
-    """enforce_eager: no torch.compile/CUDA graphs (exact and starts fast); false is the fast choice on a GPU."""
-    chunk_size: int = 64
-    """Conversations per output file; the unit of atomic writes and of resume."""
-    num_shards: int = 1
-    """Split the work into this many shards (SLURM array tasks, GPUs)."""
-    shard_index: int | None = None
-    """Which shard this process runs (None: all shards, then merge)."""
-    max_seq_len: int = 2048
-    """Training rows are cut to this many tokens."""
-    regenerate: bool = True
-    """False keeps the original assistant answers (the baseline for the mid-training comparison)."""
+from data.config import (
+    ConfigError,
+    DataConfig,
+    SynthConfig,
+    TargetConfig,
+    WandbConfig,
+)
+from eval.config import EvalConfig
+from train.drafters import registry
 
 
 @dataclass
@@ -175,63 +82,6 @@ class DeepSpeedConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Stage eval: held-out acceptance length and speedup with the built-in speculative decoder."""
-
-    proposers: list[str] = field(default_factory=lambda: ["drafter", "prompt_lookup"])
-    """Compared with plain decoding: drafter (the trained one) | prompt_lookup | draft_model | hf_assisted
-    | hf_prompt_lookup."""
-    drafter_dir: str | None = None
-    """A saved drafter (default: the train stage's best checkpoint of this run)."""
-    draft_model: str | None = None
-    """A standalone draft model directory for the draft_model / hf_assisted proposers."""
-    prompts: str = "synth"
-    """Where held-out prompts come from: synth (the synth run's heldout.jsonl) | data (the held-out split of
-    the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed) | a JSONL or Parquet
-    file or glob (every row's prompt is judged; grouped by its ``source`` / ``domain`` field when present)."""
-    mode: str = "both"
-    """replay | decode | both. replay: tau, alpha and their 95% intervals from replaying the target's greedy
-    continuation of num_prompts prompts per source (one target forward per prompt, see eval/replay.py);
-    decode: real speculative decoding (wall-clock speed, token-for-token check); both: replay for tau, decode
-    for speed on the first decode_prompts prompts per source."""
-    num_prompts: int = 200
-    """Held-out prompts per source (replay; decode too when mode=decode)."""
-    max_new_tokens: int = 256
-    """New tokens per prompt (replay; decode too when mode=decode)."""
-    decode_prompts: int = 4
-    """mode=both: prompts per source that are also decoded for speed and the lossless check (at most
-    num_prompts: the first ones of the replayed sample)."""
-    decode_max_new_tokens: int = 64
-    """mode=both: new tokens per decoded prompt (at most max_new_tokens)."""
-    continuations_dir: str | None = None
-    """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
-    run dir's replay/)."""
-    replay_batch_size: int = 16
-    """Batch size for generating the continuations."""
-    replay_lanes: int = 32
-    """Prompts replayed at once, the drafters' linear layers batched across them (eval/lanes.py: each weight is
-    read once per round instead of once per prompt; same trajectories). 1 = one prompt at a time. Also used by
-    the training-time checks."""
-    bootstrap: int = 2000
-    """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    k: int = 5
-    """Chain length K for chain proposers."""
-    decode: str = "both"
-    """chain | tree | both: how the trained drafter drafts."""
-    tree_depth: int | None = None
-    """Tree drafts: maximum depth (None: the drafter's own setting; draft_model: 4)."""
-    tree_top_k: int | None = None
-    """Tree drafts: branching per expanded node (None: the drafter's own setting; draft_model: 4)."""
-    tree_total_tokens: int | None = None
-    """Tree drafts: draft tokens verified per step (None: the drafter's own setting; draft_model: 16)."""
-    prompt_lookup_max_ngram: int = 3
-    seed: int = 0
-    plot: bool = True
-
-
-@dataclass
 class ExportConfig:
     """Stage export: write a trained drafter in a serving engine's format (checked, then written atomically)."""
 
@@ -244,14 +94,6 @@ class ExportConfig:
     """The eval stage's output whose held-out tau table goes into the model card (skipped when absent)."""
     verify: bool = True
     """Re-import the export and require the trained drafter's draft logits before renaming it into place."""
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "offline"
-    """offline (default; no account needed) | online (needs WANDB_API_KEY) | disabled."""
-    project: str = "draftsmith"
-    entity: str | None = None
 
 
 @dataclass
@@ -344,36 +186,22 @@ class Config:
     """stage=compare: run directories (runs/<name>, a stage directory, or a W&B offline run directory)."""
 
 
-DRAFTER_SCHEMAS: dict[str, str] = {
-    "eagle": "train.drafters.eagle:EagleConfig",
-    "eagle3": "train.drafters.eagle3:Eagle3Config",
-    "medusa": "train.drafters.medusa:MedusaConfig",
-    "standalone": "train.drafters.standalone:StandaloneConfig",
-}
-"""Drafter family -> its config dataclass (module:Class), stored in Hydra's ConfigStore as
-``_schemas/drafter/<name>`` (outside the ``drafter`` group, so Hydra never offers it as a drafter choice) so the
-YAML in ``conf/drafter/`` is validated against it (``defaults: [/_schemas/drafter/<name>@_here_]``)."""
-
-
 def drafter_config_class(name: str) -> type:
-    import importlib
-
-    if name not in DRAFTER_SCHEMAS:
-        raise ConfigError(f"Unknown drafter {name!r}; valid: {', '.join(sorted(DRAFTER_SCHEMAS))}")
-    module, cls = DRAFTER_SCHEMAS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    """The config dataclass of drafter family ``name`` (from its registration; :class:`ConfigError` if unknown)."""
+    return registry.get(name).config_cls
 
 
 def register_configs() -> None:
     """Register the schemas so ``conf/config.yaml`` and ``conf/drafter/*.yaml`` can name them."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-    for name in DRAFTER_SCHEMAS:
+    # Each family's config dataclass as ``_schemas/drafter/<name>`` (outside the ``drafter`` group, so Hydra never
+    # offers it as a drafter choice): the YAML in ``conf/drafter/`` is validated against it
+    # (``defaults: [/_schemas/drafter/<name>@_here_]``).
+    for name in registry.names():
         cs.store(group="_schemas/drafter", name=name, node=drafter_config_class(name))
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is wrong; the message says which and what is allowed."""
+        if name not in registry.BUILTIN:  # a family of your own needs no YAML: drafter=<name> is its dataclass
+            cs.store(group="drafter", name=name, node=drafter_config_class(name))
 
 
 def _field_type(cls: type, name: str) -> Any:
@@ -440,7 +268,7 @@ def check_overrides(overrides: list[str], groups: tuple[str, ...], default_draft
             continue
         if key.startswith("drafter."):
             chosen = next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), default_drafter)
-            if chosen in DRAFTER_SCHEMAS and "," not in chosen:
+            if chosen in registry.names() and "," not in chosen:
                 check_key_path(key.split(".", 1)[1], drafter_config_class(chosen), (), base="drafter")
             continue
         check_key_path(key, Config, groups)
@@ -456,65 +284,3 @@ def check_run_name(name: str) -> None:
             f"run_name={name!r} is not a safe name: use letters, digits, '.', '_' and '-' (starting with a letter "
             f"or digit, no '..', no '/'); it names the directory runs_root/run_name"
         )
-
-
-SAFE_TO_CHANGE: tuple[str, ...] = (
-    "stage",
-    "resume",
-    "overwrite",
-    "launcher",
-    "slurm.",
-    "wandb.",
-    "runtime.",
-    "runs",
-    "train.max_steps",
-    "train.stop_after_steps",
-    "train.save_every",
-    "train.eval_every",
-    "train.log_every",
-    "train.keep_checkpoints",
-    "target.device",
-    "target.cache_dir",
-    "export.",
-    "eval.plot",
-)
-"""Config keys (or ``prefix.``) whose change does not change what a run computes: a resumed run continues with
-them changed (recorded in its manifest), and an output made with other values of them is not "another config"."""
-
-
-def flat_config(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config (dataclass or dict) as ``{"a.b.c": value}``."""
-    from dataclasses import asdict
-
-    if is_dataclass(obj) and not isinstance(obj, type):
-        obj = asdict(obj)
-    out: dict[str, Any] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(flat_config(v, f"{prefix}{k}."))
-        if not obj and prefix:
-            out[prefix[:-1]] = {}
-        return out
-    out[prefix[:-1]] = obj
-    return out
-
-
-def changed_keys(old: Any, new: Any, only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:
-    """``{key: (old, new)}`` for every config key that differs (restricted to keys under ``only`` if given)."""
-    a, b = flat_config(old), flat_config(new)
-    out = {}
-    for key in sorted(set(a) | set(b)):
-        if only is not None and not any(key == p or key.startswith(p if p.endswith(".") else p + ".") for p in only):
-            continue
-        if a.get(key, "<unset>") != b.get(key, "<unset>"):
-            out[key] = (a.get(key, "<unset>"), b.get(key, "<unset>"))
-    return out
-
-
-def is_safe_change(key: str) -> bool:
-    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE)
-
-
-def resolve_path(path: str) -> str:
-    """Expand ``~`` and environment variables in a configured path."""
-    return os.path.expandvars(os.path.expanduser(path))

@@ -26,14 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from train.atomic import atomic_write_json
+from data.atomic import atomic_dir, atomic_write_json
+from data.config import ConfigError
+from data.manifest import read_manifest, write_manifest
+from data.target import load_target
+from data.tracking import Tracker
+from eval.heldout import load_heldout, measure
+from eval.replay import ContinuationCache, bootstrap_tau_ci, replay_many
+from eval.run import Result, finish_result
 from train.batches import BatchPlan, load_rows
-from train.config import Config, ConfigError, DeepSpeedConfig, TrainConfig
+from train.checkpoints import CorruptCheckpointError, compare_resume_config, verify_checkpoint
+from train.config import Config, DeepSpeedConfig, TrainConfig
 from train.drafters import registry
 from train.drafters.registry import TargetFeatures
-from train.manifest import read_manifest, write_manifest
-from train.tracking import Tracker
+from train.features import FeatureStore
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +159,6 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-        from data.target import load_target
-
         cfg = self.cfg
         cuda = torch.cuda.is_available() and cfg.target.device != "cpu"
         self.bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and cuda)
@@ -188,8 +194,6 @@ class Trainer:
         self.feature_layers = self.spec.feature_layers(cfg.drafter, self.target.model.config)
         self.store = None
         if cfg.train.features == "precomputed":
-            from data.features import FeatureStore
-
             self.store = FeatureStore(
                 cfg.train.features_dir,
                 synth_manifest.get("plan_hash"),
@@ -247,7 +251,6 @@ class Trainer:
     def _heldout_unavailable(self) -> str | None:
         """Why the held-out checks cannot run (no usable held-out prompt), or None. Training then goes on without
         them (a warning, not a failure): best/ becomes the last checkpoint."""
-        from eval.heldout import load_heldout
 
         path = Path(self.cfg.synth_dir) / "heldout.jsonl"
         try:
@@ -267,7 +270,6 @@ class Trainer:
 
     def _check_resume_config(self) -> dict[str, Any]:
         """Compare the newest readable checkpoint's saved config with this run's (see train/checkpoints.py)."""
-        from train.checkpoints import compare_resume_config
 
         for ckpt in reversed(self._checkpoints()):
             try:
@@ -297,7 +299,6 @@ class Trainer:
         if not existing:
             logger.warning("resume=true but no checkpoint in %s: starting from step 0", self.ckpt_root)
             return
-        from train.checkpoints import CorruptCheckpointError, verify_checkpoint
 
         skipped: list[dict[str, str]] = []
         for last in reversed(existing):  # the newest checkpoint that loads; never one that could run code
@@ -408,7 +409,6 @@ class Trainer:
         ``train.eval_mode=replay`` (default) replays the target's cached greedy continuations (same counts as
         the decoder, see eval/replay.py; one target forward per prompt); ``decode`` runs the real decoder.
         """
-        from eval.heldout import load_heldout, measure
 
         cfg = self.cfg
         prompts = load_heldout(cfg.synth_dir, self.target.tokenizer, cfg.train.eval_prompts, cfg.data.max_prompt_tokens)
@@ -419,8 +419,6 @@ class Trainer:
         if cfg.train.eval_mode == "decode":
             stats, _ = measure(self.target.model, proposer, prompts, n_tok, eos, desc=desc)
             return {src: {"tau": s.tau(), "alpha": s.alpha()} for src, s in stats.items()}
-        from eval.replay import ContinuationCache, bootstrap_tau_ci, replay_many
-        from eval.run import Result, finish_result
 
         cache = ContinuationCache(Path(cfg.synth_dir) / "replay", self.target.fingerprint)
         conts = cache.get(self.target.model, [p.input_ids for p in prompts], n_tok, self.target.tokenizer.pad_token_id)
@@ -495,7 +493,6 @@ class Trainer:
 
     def _publish_best(self) -> None:
         """Copy the best (else the latest) checkpoint's drafter to ``<run_dir>/best`` atomically."""
-        from train.atomic import atomic_dir
 
         name = self.best.get("checkpoint") or self._checkpoints()[-1].name
         with atomic_dir(self.run_dir / "best") as tmp:
@@ -504,7 +501,6 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any]:
-        from tqdm import tqdm
 
         cfg = self.cfg.train
         stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)

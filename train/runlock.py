@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from train.config import ConfigError
+from data.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

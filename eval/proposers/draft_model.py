@@ -28,9 +28,17 @@ from typing import Any, Literal
 
 import torch
 
-from eval.decoder import TREE_ATTN_IMPLEMENTATIONS, crop_cache, model_forward, new_cache
+from data.generate import crop_cache, model_forward, new_cache
 from eval.proposers.base import Proposer, TargetOutput
-from eval.tree import DraftTree, chain, dynamic_tree, static_tree, tree_attention_mask, tree_depths
+from eval.tree import (
+    TREE_ATTN_IMPLEMENTATIONS,
+    DraftTree,
+    chain,
+    dynamic_tree,
+    static_tree,
+    tree_attention_mask,
+    tree_depths,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train.atomic import DiskFullError, atomic_dir, atomic_write_json, atomic_write_text, atomic_write_with
+from data.atomic import DiskFullError, atomic_dir, atomic_write_json, atomic_write_text, atomic_write_with
 
 
 def test_failed_write_keeps_the_old_file(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from data.config import ConfigError, DataConfig, SourceConfig
 from data.sources import DataError, SkipCounter, read_source
 from tests.conftest import REPO, compose
-from train.config import ConfigError, DataConfig, SourceConfig
 
 GOOD = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from data.config import ConfigError
 from tests.conftest import CONF, REPO, compose
-from train.config import Config, ConfigError, check_key_path
+from train.config import Config, check_key_path
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from data.config import DataConfig, SourceConfig
 from data.sources import SkipCounter, iter_json_array, read_source, sharegpt_path
 from data.split import heldout_score, is_heldout, select
-from train.config import DataConfig, SourceConfig
 
 
 def test_sharegpt_truncated_file_parses_record_by_record() -> None:
@@ -78,7 +78,7 @@ def test_parquet_source(tmp_path: Path) -> None:
 
 
 def test_unknown_kind_and_missing_file_are_clear(tmp_path: Path) -> None:
-    from train.config import ConfigError
+    from data.config import ConfigError
 
     with pytest.raises(ConfigError, match="valid: sharegpt, humaneval, jsonl"):
         list(read_source("x", SourceConfig(kind="csv"), DataConfig(), SkipCounter()))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from data.config import ConfigError, TargetConfig
 from data.generate import continuous_generate
 from data.render import prompt_ids
 from data.synth import start_engine, validate_synth
@@ -26,7 +27,6 @@ from data.vllm_engine import EngineError, VLLMEngine, find_engine_python
 from tests.conftest import REPO, compose
 from tests.test_data.test_synth import _rows
 from tests.test_data.test_synth import _synth as synth_process
-from train.config import ConfigError, TargetConfig
 
 ENGINE = REPO / ".venv-engine" / "bin" / "python"
 needs_engine = pytest.mark.skipif(

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from data.config import ConfigError
 from tests.conftest import compose
-from train.config import ConfigError
 from train.export import ExportError, export_drafter, run_export
-from train.export.core import FORMATS, PLANNED, Source, get_format, valid_pairs
+from train.export.core import FORMATS, Source, get_format, valid_pairs
 
 EAGLE_KEYS = {
     "embed_tokens.weight",
@@ -55,7 +55,7 @@ def _keys(path: Path) -> dict[str, list[int]]:
 def test_table_lists_pairs():
     pairs = valid_pairs()
     assert {("eagle", "eagle"), ("eagle", "sglang_eagle"), ("standalone", "hf"), ("medusa", "medusa")} <= set(pairs)
-    assert {("eagle3", "speculators"), ("eagle3", "sglang_eagle3")} <= set(pairs) and not PLANNED
+    assert {("eagle3", "speculators"), ("eagle3", "sglang_eagle3")} <= set(pairs)
     with pytest.raises(ConfigError, match=r"drafter=eagle export\.format=sglang_eagle"):
         get_format("eagle", "medusa")
     with pytest.raises(ConfigError, match=r"drafter=eagle3 export\.format=speculators"):
@@ -83,7 +83,7 @@ def test_eagle_round_trip(eagle_run: Path, target, fmt: str, tmp_path: Path):
     assert (tmp_path / f"manifest-{fmt}.json").is_file()
     assert list((tmp_path / "wandb").glob("offline-run-*"))  # the export stage logs to W&B (offline by default)
     # the project's importer, independently of the stage: same draft logits as the trained head
-    from eval.run import load_drafter
+    from train.drafters.registry import load_drafter
 
     _, trained, _ = load_drafter(str(eagle_run / "train" / "best"), target)
     f = FORMATS[("eagle", fmt)]
@@ -101,7 +101,7 @@ def test_unknown_pair_refused_by_stage(eagle_run: Path, target, tmp_path: Path):
 
 
 def _source(eagle_run: Path, target) -> Source:
-    from eval.run import load_drafter
+    from train.drafters.registry import load_drafter
 
     _, module, dcfg = load_drafter(str(eagle_run / "train" / "best"), target)
     return Source(eagle_run / "train" / "best", "eagle", module, dcfg, target, "smollm2-135m")

@@ -33,7 +33,7 @@ def test_peer_trains_loads_and_is_judged_as_ours(synth_dir: Path, tmp_path: Path
     conf = json.loads((out / "config.json").read_text())
     assert conf["speculators_model_type"] == "eagle3" and conf["draft_vocab_size"] == 512
     # --judge: the peer as our own checkpoint, with its norms, layers and vocabulary map
-    from eval.run import load_drafter
+    from train.drafters.registry import load_drafter
 
     spec, head, dcfg = load_drafter(str(tmp_path / "runs" / "peer_judge" / "train" / "best"), target)
     assert spec.name == "eagle3" and dcfg.draft_vocab_size == 512

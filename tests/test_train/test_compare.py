@@ -65,3 +65,16 @@ def test_compare_never_silently_replaces_another_comparison(tmp_path: Path) -> N
     assert "| | a | b |" in (out / "compare.md").read_text()  # untouched
     assert compare(f"runs=[{a},{c}]", "overwrite=true").returncode == 0
     assert "| | a | c |" in (out / "compare.md").read_text()
+
+
+def test_a_wandb_run_is_read_through_the_stage_that_wrote_it(tmp_path: Path) -> None:
+    run = _eval_dir(tmp_path, "a", 1.50, 1.45, 1.55)
+    (run / "eval" / "manifest.json").write_text(json.dumps({"stage": "eval"}))
+    offline = run / "eval" / "wandb" / "offline-run-20261201_120000-abc123"
+    offline.mkdir(parents=True)
+    (offline / "run-abc123.wandb").write_bytes(b":W&B" + bytes(60))  # never decoded
+    for entry in (offline, offline / "run-abc123.wandb", run / "eval" / "wandb"):
+        got = load_run(str(entry))
+        assert got["eval"]["eagle_chain_k5"]["all"]["tau"] == 1.50, entry
+        assert got["sources"] == [str(run / "eval" / "metrics.json")]
+    assert load_run(str(offline))["label"] == "a"

@@ -35,7 +35,7 @@ def test_default_layers_and_feature_layers(target) -> None:
     spec = registry.get("eagle3")
     cfg = spec.config_cls()
     assert spec.feature_layers(cfg, target.model.config) == [2, 15, 27, 30]  # vLLM's (2, N//2, N-3) + the last
-    from train.config import ConfigError
+    from data.config import ConfigError
 
     with pytest.raises(ConfigError, match="layer_ids"):
         spec.build(spec.config_cls(layer_ids=[2, 15, 31]), target.model)
@@ -181,3 +181,29 @@ def test_frozen_draft_lm_head_keeps_the_targets_rows(target) -> None:
     loss.backward()
     assert head.lm_head.weight.grad is None
     assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+
+
+def test_loss_all_positions_also_trains_where_the_target_top_is_outside_the_draft_vocabulary(target) -> None:
+    """drafter.loss_all_positions: positions whose target top token the draft vocabulary cannot hold count too
+    (against the target's distribution renormalised over the draft vocabulary); off, only the others count."""
+    from train.batches import Row
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    text = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"
+    ids = target.tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    mask = torch.ones_like(ids)
+    batch = TrainBatch(ids, mask, torch.cat([mask[:, :4] * 0, mask[:, 4:]], 1))
+    counted = {}
+    for every in (False, True):
+        # a vocabulary of 8 of the row's tokens: the target's top token is often outside it
+        spec, cfg, head = _head(target, draft_vocab_size=8, ttt_steps=1, loss_all_positions=every)
+        spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg)
+        loss, metrics = spec.loss(head, batch, feats, cfg)
+        assert torch.isfinite(loss)
+        counted[every] = int(metrics["tokens"])
+        coverage = float(metrics["vocab_coverage"])
+    need = int(batch.loss_mask[:, 2:].sum())
+    assert coverage < 1.0 and counted[True] == need > counted[False] > 0, (counted, need, coverage)

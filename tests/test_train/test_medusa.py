@@ -207,7 +207,7 @@ def test_medusa_proposer_is_lossless_on_the_real_target(target, decode: str) -> 
 
 
 def test_explicit_tree_paths_are_used_and_checked(target) -> None:
-    from train.config import ConfigError
+    from data.config import ConfigError
     from train.drafters import registry
 
     spec = registry.get("medusa")
@@ -242,10 +242,11 @@ def test_medusa_trains_logs_per_head_metrics_and_resumes_exactly(
     assert int(saved["rank_count"][0]) > 0 and int(saved["rank_hits"].sum()) > 0  # measured rank accuracies
     # The eval stage names (and costs) Medusa's chain by what it drafts: eval.k=5 with 4 heads drafts 4.
     from eval.run import build_methods
+    from train.drafters.registry import load_drafter
 
     cfg = compose([*SMALL_SYNTH, "drafter=medusa", f"eval.drafter_dir={best}", "eval.k=5", "eval.decode=both"])
     cfg.eval.proposers = ["drafter"]
-    methods = {m.name: m.k for m in build_methods(cfg, target)}
+    methods = {m.name: m.k for m in build_methods(cfg, target, load_drafter)}
     assert methods == {"medusa_chain_k4": 4, "medusa_tree_n16": None}, methods
 
     # Two processes (torchrun, gloo), same global batch (grad_accum=1 each): the same losses and, after the

@@ -237,8 +237,8 @@ def test_empty_heldout_split_is_reported_at_selection(tmp_path: Path, caplog: py
 
 
 def test_eval_refuses_to_replace_results_of_another_config(tmp_path: Path, run_env: dict[str, str]) -> None:
-    from train.config import ConfigError
-    from train.manifest import check_same_config, write_manifest
+    from data.config import ConfigError
+    from data.manifest import check_same_config, write_manifest
 
     out = tmp_path / "eval"
     args = ["stage=eval", *SMALL_SYNTH, f"synth_dir={tmp_path / 'synth'}", f"train_dir={tmp_path / 'train'}"]

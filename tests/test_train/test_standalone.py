@@ -111,7 +111,7 @@ def test_standalone_proposer_is_lossless_on_the_real_target(target, decode: str)
 
 
 def test_init_target_copies_layers_and_loss(target) -> None:
-    from train.config import ConfigError
+    from data.config import ConfigError
     from train.drafters.standalone import default_layer_ids, distill_terms
 
     assert default_layer_ids(4, 30) == [0, 10, 19, 29] and default_layer_ids(2, 30) == [0, 29]
@@ -197,7 +197,7 @@ def _tiny_llama(vocab: int, out: Path) -> Any:
 def test_pretrained_draft_tokenizer_and_vocab_checks(target, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from train.config import ConfigError
+    from data.config import ConfigError
 
     V = target.model.config.vocab_size
     same, other, bare = tmp_path / "same", tmp_path / "other", tmp_path / "bare"
@@ -243,7 +243,7 @@ def test_pretrained_draft_tokenizer_and_vocab_checks(target, tmp_path: Path) -> 
 def test_save_load_round_trip(target, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eval.run import load_drafter
+    from train.drafters.registry import load_drafter
 
     spec, cfg, draft = _perturbed_draft(target, decode="chain", layer_ids=[5, 20])
     out = tmp_path / "drafter"

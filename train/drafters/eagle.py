@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from train.config import ConfigError
+from data.config import ConfigError
+from eval.proposers.feature_head import FeatureHeadProposer
 from train.drafters.layers import KV, DraftLayer
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 
@@ -170,7 +171,6 @@ def load(directory: str, target: Any, cfg: EagleConfig | None = None) -> EagleHe
 
 
 def make_proposer(head: nn.Module, target: Any, cfg: EagleConfig) -> Any:
-    from eval.proposers.feature_head import FeatureHeadProposer
 
     return FeatureHeadProposer(head, target.get_output_embeddings(), cfg)
 
@@ -178,6 +178,7 @@ def make_proposer(head: nn.Module, target: Any, cfg: EagleConfig) -> Any:
 SPEC = register(
     DrafterSpec(
         name="eagle",
+        export_module="train.export.eagle",
         config_cls=EagleConfig,
         build=build,
         loss=loss_fn,

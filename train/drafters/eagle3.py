@@ -19,7 +19,8 @@ features; step j sees its own outputs of step j-1 at the same entry, and the tok
 shifted by j). Entry t of step j attends to step 0's keys at positions <= t (the committed context) and to
 its own keys of steps 1..j (its own draft chain) -- exactly what it sees when drafting j tokens ahead at
 inference. Loss of step j: cross-entropy against the target's next-token distribution restricted to the draft
-vocabulary, where the target's top token is in it, weighted ``ttt_decay ** j`` (SpecForge: 0.8).
+vocabulary, where the target's top token is in it (``loss_all_positions``: everywhere), weighted
+``ttt_decay ** j`` (SpecForge: 0.8).
 
 Parameter names follow SGLang's EAGLE-3 layout (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``,
 ``t2d``); the token embedding is a frozen copy of the target's and is not saved.
@@ -36,11 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from train.config import ConfigError
+from data.config import ConfigError
+from eval.proposers.feature_head import FeatureHeadProposer
 from train.drafters.layers import KV, DraftAttention
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 
@@ -62,6 +65,10 @@ class Eagle3Config:
     """Training-time-test unroll length (SpecForge trains with 7; the CPU recipes use fewer)."""
     ttt_decay: float = 0.8
     """Loss weight of TTT step j is ``ttt_decay ** j``."""
+    loss_all_positions: bool = False
+    """Also train where the target's top token lies outside the draft vocabulary, against the target's
+    distribution renormalised over the draft vocabulary (speculators does); off = SpecForge's rule, only where
+    the draft vocabulary can hold the target's top token."""
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
@@ -83,9 +90,16 @@ class Eagle3Config:
     tree_total_tokens: int = 16
 
 
+def default_layer_ids(num_layers: int) -> list[int]:
+    """The target layers EAGLE-3 fuses unless told otherwise: ``(2, N//2, N-3)`` (HF ``hidden_states`` indices),
+    the choice of vLLM, SGLang and speculators for an N-layer target."""
+    n = int(num_layers)
+    return [2, n // 2, n - 3]
+
+
 def resolve_layer_ids(cfg: Eagle3Config, target_config: Any) -> list[int]:
     n = int(target_config.num_hidden_layers)
-    ids = list(cfg.layer_ids) if cfg.layer_ids else [2, n // 2, n - 3]
+    ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(n)
     bad = [i for i in ids if not 0 <= int(i) <= n]
     if bad or not ids:
         raise ConfigError(f"drafter.layer_ids={ids}: every id must be in 0..{n} (HF hidden_states indices)")
@@ -295,7 +309,7 @@ def loss_fn(
     head: nn.Module, batch: TrainBatch, feats: TargetFeatures, cfg: Eagle3Config
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TTT loss; entry t of step j predicts ``x[t+j+2]`` from the token ``x[t+j+1]``."""
-    core = getattr(head, "module", head)
+    core = extract_model_from_parallel(head)
     layer_ids = resolve_layer_ids(cfg, core.config)
     ids, lm, am = batch.input_ids, batch.loss_mask, batch.attention_mask
     B, L = ids.shape
@@ -318,7 +332,8 @@ def loss_fn(
             t_p[rows[:, 0], rows[:, 1] + 1] = torch.softmax(logits[:, target_ids], -1)
     pad = torch.full((B, cfg.ttt_steps + 1), int(ids[0, -1]), dtype=ids.dtype, device=dev)
     ids_ext = torch.cat([ids, pad], dim=1)
-    valid = torch.cat([need & in_vocab[:, 1:-1], torch.zeros(B, cfg.ttt_steps + 1, dtype=torch.bool, device=dev)], 1)
+    counted = need if cfg.loss_all_positions else need & in_vocab[:, 1:-1]
+    valid = torch.cat([counted, torch.zeros(B, cfg.ttt_steps + 1, dtype=torch.bool, device=dev)], 1)
     pos = torch.arange(T, device=dev).expand(B, -1)
     h: torch.Tensor = fused
     past: list[KV] | None = None
@@ -431,7 +446,6 @@ def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3
 
 
 def make_proposer(head: nn.Module, target: Any, cfg: Eagle3Config) -> Any:
-    from eval.proposers.feature_head import FeatureHeadProposer
 
     assert isinstance(head, Eagle3Head)
     layer_ids = resolve_layer_ids(cfg, target.config)
@@ -450,6 +464,7 @@ def feature_layers(cfg: Eagle3Config, target_config: Any) -> list[int]:
 SPEC = register(
     DrafterSpec(
         name="eagle3",
+        export_module="train.export.eagle3",
         config_cls=Eagle3Config,
         build=build,
         loss=loss_fn,

@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from train.config import ConfigError
+from data.config import ConfigError
+from eval.proposers.medusa import MedusaProposer, rank_prior
+from eval.tree import static_tree_paths_to_parents
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 
 RANK_WINDOW = 1 << 17
@@ -78,8 +80,6 @@ def validate(cfg: MedusaConfig) -> None:
     if cfg.chain_k < 1 or cfg.tree_depth < 1 or cfg.tree_top_k < 1 or cfg.tree_total_tokens < 1:
         errors.append("drafter.chain_k, tree_depth, tree_top_k and tree_total_tokens must be >= 1")
     if cfg.tree_paths:
-        from eval.tree import static_tree_paths_to_parents
-
         try:
             static_tree_paths_to_parents(cfg.tree_paths)
         except ValueError as e:
@@ -145,7 +145,6 @@ class MedusaHeads(nn.Module):
     def rank_accuracy(self) -> torch.Tensor:
         """``[K, R]`` measured probability that head ``k``'s rank-``r`` token is right, shrunk towards
         :func:`eval.proposers.medusa.rank_prior` by one pseudo-token (so an untrained head gets the prior)."""
-        from eval.proposers.medusa import rank_prior
 
         prior = rank_prior(*self.rank_hits.shape)
         hits, count = self.rank_hits.double().cpu(), self.rank_count.double().cpu()
@@ -267,7 +266,6 @@ def load(directory: str, target: Any, cfg: MedusaConfig | None = None) -> Medusa
 
 
 def make_proposer(heads: nn.Module, target: Any, cfg: MedusaConfig) -> Any:
-    from eval.proposers.medusa import MedusaProposer
 
     return MedusaProposer(_core(heads), target.get_output_embeddings(), cfg)
 
@@ -279,6 +277,7 @@ def check(cfg: MedusaConfig, target: Any) -> None:
 SPEC = register(
     DrafterSpec(
         name="medusa",
+        export_module="train.export.medusa",
         config_cls=MedusaConfig,
         build=build,
         loss=loss_fn,

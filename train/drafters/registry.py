@@ -7,13 +7,21 @@ the decoder and the stages do not change.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from train.config import ConfigError
+from data.config import ConfigError
+from eval.proposers.draft_model import check_vocab_compatibility
+
+if TYPE_CHECKING:
+    from data.target import Target
 
 
 @dataclass
@@ -62,7 +70,9 @@ class DrafterSpec:
     """``save(drafter, directory, drafter_cfg)``: safetensors weights + config.json."""
     feature_layers: Callable[[Any, Any], list[int]] = lambda cfg, target_config: [target_config.num_hidden_layers]
     """Which target hidden states the loss reads (indices into HF ``hidden_states``); default: the last."""
-    exporters: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    export_module: str | None = None
+    """The module that registers this family's export formats (``train.export.core.register_format``), imported
+    when an export is asked for; None: the family has no export format (stage export lists the valid pairs)."""
     prepare: Callable[[torch.nn.Module, list[Any], Any], dict[str, Any]] | None = None
     """``prepare(drafter, rows, cfg) -> info``: data-dependent initialisation of a freshly built drafter from the
     training rows (``train.batches.Row``: ``input_ids``, ``loss_mask``), e.g. EAGLE-3's draft vocabulary. It
@@ -86,14 +96,26 @@ def register(spec: DrafterSpec) -> DrafterSpec:
 
 
 BUILTIN = ("eagle", "eagle3", "medusa", "standalone")
-"""Families that ship with the project: ``train/drafters/<name>.py``, each registering itself on import."""
+"""Families that ship with the project: ``train/drafters/<name>.py``, each registering itself on import (its
+:class:`DrafterSpec` carries the config dataclass, the training and decoding functions and its export module).
+This tuple is the only list of families: the Hydra schemas, the CLI checks and the exporters read the registry.
+A family outside the project registers itself with :func:`register` (one line) before the stages run."""
+
+
+PLUGINS_ENV = "DRAFTSMITH_DRAFTERS"
+"""Comma-separated modules holding drafter families of your own (each calls :func:`register` on import), e.g.
+``DRAFTSMITH_DRAFTERS=mypkg.my_drafter``: ``drafter=<name>`` then selects it in every stage."""
 
 
 def _load_builtin(name: str | None = None) -> None:
-    import importlib
-
     for family in BUILTIN if name is None else [n for n in BUILTIN if n == name]:
         importlib.import_module(f"train.drafters.{family}")
+    if name is None or name not in _REGISTRY:
+        for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigError(f"{PLUGINS_ENV}: cannot import drafter module {module!r}: {exc}") from exc
 
 
 def get(name: str) -> DrafterSpec:
@@ -106,3 +128,23 @@ def get(name: str) -> DrafterSpec:
 def names() -> list[str]:
     _load_builtin()
     return sorted(_REGISTRY)
+
+
+def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, Any]:
+    """Load a saved drafter directory: (spec, module, drafter config)."""
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"No drafter checkpoint in {path}: run stage=train for this run_name first, or set eval.drafter_dir"
+        )
+    meta = json.loads((path / "config.json").read_text(encoding="utf-8")).get("draftsmith", {}).get("drafter")
+    if not meta:
+        raise ValueError(f"{path}/config.json does not say which drafter family it holds (draftsmith.drafter)")
+    spec = get(meta["name"])
+    dcfg = spec.config_cls(**meta)
+    if (path / "tokenizer_config.json").is_file():  # a drafter that carries a tokenizer must carry the target's
+        from transformers import AutoTokenizer
+
+        vocab = target.model.config.vocab_size
+        check_vocab_compatibility(vocab, vocab, target.tokenizer, AutoTokenizer.from_pretrained(str(path)))
+    return spec, spec.load(str(path), target.model, dcfg), dcfg

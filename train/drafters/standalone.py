@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from train.config import ConfigError
+from data.config import ConfigError
+from eval.proposers.draft_model import DraftModelProposer, check_vocab_compatibility
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 
 logger = logging.getLogger(__name__)
@@ -237,7 +239,6 @@ def _load_hf(path: str, dtype: torch.dtype) -> nn.Module:
 
 
 def _check_vocab_size(draft: nn.Module, tcfg: Any, where: str) -> None:
-    from eval.proposers.draft_model import check_vocab_compatibility
 
     try:
         check_vocab_compatibility(int(tcfg.vocab_size), int(draft.config.get_text_config().vocab_size))
@@ -252,8 +253,6 @@ def check(cfg: StandaloneConfig, target: Any) -> None:
     if cfg.init != "pretrained":
         return
     from transformers import AutoConfig, AutoTokenizer
-
-    from eval.proposers.draft_model import check_vocab_compatibility
 
     path = str(cfg.pretrained_path)
     if not (Path(path) / "config.json").is_file():
@@ -271,12 +270,6 @@ def check(cfg: StandaloneConfig, target: Any) -> None:
         check_vocab_compatibility(int(target.model.config.vocab_size), vocab)  # the loss needs equal logit sizes
     except ValueError as exc:
         raise ConfigError(f"drafter.pretrained_path={path!r} cannot draft for target {target.path!r}: {exc}") from exc
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
 
 
 def distill_terms(t_logits: torch.Tensor, d_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +323,7 @@ def _save_tokenizer(draft: nn.Module, out: Path) -> bool:
 
 def save(model: nn.Module, directory: str, cfg: StandaloneConfig) -> None:
     """A plain HF directory (``config.json`` with ``draftsmith.drafter``, safetensors, the target's tokenizer)."""
-    draft = _unwrap(model)
+    draft = extract_model_from_parallel(model)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(str(out), safe_serialization=True)
@@ -360,10 +353,9 @@ def load(directory: str, target: Any, cfg: StandaloneConfig | None = None) -> nn
 
 
 def make_proposer(model: nn.Module, target: Any, cfg: StandaloneConfig) -> Any:
-    from eval.proposers.draft_model import DraftModelProposer
 
     return DraftModelProposer(
-        _unwrap(model),
+        extract_model_from_parallel(model),
         target.config.vocab_size,
         num_tokens=cfg.chain_k,
         mode="chain" if cfg.decode == "chain" else "tree",
@@ -376,6 +368,7 @@ def make_proposer(model: nn.Module, target: Any, cfg: StandaloneConfig) -> Any:
 SPEC = register(
     DrafterSpec(
         name="standalone",
+        export_module="train.export.standalone",
         config_cls=StandaloneConfig,
         build=build,
         loss=loss_fn,

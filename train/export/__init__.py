@@ -21,11 +21,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from train.atomic import atomic_dir
-from train.config import Config, ConfigError
+from data.atomic import atomic_dir
+from data.config import ConfigError
+from data.manifest import write_manifest
+from data.target import load_target
+from data.tracking import log_stage
+from train.config import Config
+from train.drafters.registry import load_drafter
 from train.export.core import (
     FORMATS,
-    PLANNED,
     ExportError,
     Format,
     Source,
@@ -38,7 +42,7 @@ from train.export.core import (
     valid_pairs,
 )
 
-__all__ = ["FORMATS", "PLANNED", "ExportError", "Format", "export_drafter", "run_export", "valid_pairs"]
+__all__ = ["FORMATS", "ExportError", "Format", "export_drafter", "run_export", "valid_pairs"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +114,6 @@ def export_drafter(src: Source, fmt: Format, out_dir: Path, verify: bool = True)
 
 
 def run_export(cfg: Config, run_dir: Path, target: Any = None) -> dict[str, Any]:
-    from data.target import load_target
-    from eval.run import load_drafter
 
     t0 = time.perf_counter()
     e = cfg.export
@@ -153,7 +155,6 @@ def run_export(cfg: Config, run_dir: Path, target: Any = None) -> dict[str, Any]
         eval_table=table,
     )
     result = export_drafter(src, fmt, out_dir, verify=e.verify)
-    from train.manifest import write_manifest
 
     result["seconds"] = round(time.perf_counter() - t0, 2)
     write_manifest(
@@ -164,7 +165,6 @@ def run_export(cfg: Config, run_dir: Path, target: Any = None) -> dict[str, Any]
         inputs={"drafter_dir": str(drafter_dir), "eval_dir": e.eval_dir if metrics else None},
         result=result,
     )
-    from train.tracking import log_stage
 
     log_stage(
         cfg,

@@ -3,11 +3,12 @@
 An exporter never writes a checkpoint it has not checked: the tensors are checked against the format's
 required names and shapes before anything is written, the files are written into a temporary directory,
 read back and checked again, re-imported by the project and compared with the trained drafter (same draft
-logits), and only then renamed onto ``export.out_dir`` (:func:`train.atomic.atomic_dir`).
+logits), and only then renamed onto ``export.out_dir`` (:func:`data.atomic.atomic_dir`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import time
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from train.config import ConfigError
+from data.config import ConfigError
+from train.drafters import registry
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,29 @@ class Format:
 
 
 FORMATS: dict[tuple[str, str], Format] = {}
-PLANNED: dict[tuple[str, str], str] = {}
-"""Pairs the issue asks for that are not implemented yet: named in errors, never silently accepted."""
+
+
+def target_dims(tcfg: Any) -> dict[str, int]:
+    """The target's sizes every head format is checked against: hidden ``H``, vocabulary ``V``, MLP ``I``,
+    and the q / kv projection widths (``heads x head_dim``, with grouped-query attention)."""
+    H = tcfg.hidden_size
+    nh = tcfg.num_attention_heads
+    nkv = getattr(tcfg, "num_key_value_heads", None) or nh
+    hd = getattr(tcfg, "head_dim", None) or H // nh
+    return {"H": H, "V": tcfg.vocab_size, "I": tcfg.intermediate_size, "q": nh * hd, "kv": nkv * hd}
+
+
+LOCAL_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "draftsmith", "quantization_config")
+"""Keys of a config dict that describe this machine or this run, not the model: never copied into an export."""
+
+
+def clean_config(config: Any, keep_version: bool = False) -> dict[str, Any]:
+    """``config.to_dict()`` without :data:`LOCAL_CONFIG_KEYS` (and without ``transformers_version`` unless
+    ``keep_version``: a plain HF directory keeps it, a head config written for an engine does not)."""
+    conf = config.to_dict()
+    for k in LOCAL_CONFIG_KEYS + (() if keep_version else ("transformers_version",)):
+        conf.pop(k, None)
+    return conf
 
 
 def register_format(fmt: Format) -> Format:
@@ -105,10 +128,11 @@ def register_format(fmt: Format) -> Format:
 
 
 def _load_builtin() -> None:
-    import train.export.eagle
-    import train.export.eagle3
-    import train.export.medusa
-    import train.export.standalone  # noqa: F401
+    """Import the export module of every registered drafter family (each registers its formats)."""
+    for name in registry.names():
+        module = registry.get(name).export_module
+        if module:
+            importlib.import_module(module)
 
 
 def valid_pairs() -> list[tuple[str, str]]:
@@ -118,18 +142,15 @@ def valid_pairs() -> list[tuple[str, str]]:
 
 def pairs_text() -> str:
     lines = [f"  drafter={f} export.format={n}: {FORMATS[(f, n)].doc}" for f, n in valid_pairs()]
-    planned = [f"  drafter={f} export.format={n}: {doc} (not implemented yet)" for (f, n), doc in PLANNED.items()]
-    return (
-        "Valid (drafter, format) pairs:\n" + "\n".join(lines) + ("\nPlanned:\n" + "\n".join(planned) if planned else "")
-    )
+    bare = [name for name in registry.names() if not any(f == name for f, _ in FORMATS)]
+    none = [f"  drafter={name}: no export format" for name in bare]
+    return "Valid (drafter, format) pairs:\n" + "\n".join(lines + none)
 
 
 def get_format(family: str, name: str | None) -> Format:
     _load_builtin()
     if not name:
         raise ConfigError(f"export.format is not set.\n{pairs_text()}")
-    if (family, name) in PLANNED:
-        raise ConfigError(f"export.format={name} for drafter {family!r} is not implemented yet.\n{pairs_text()}")
     if (family, name) not in FORMATS:
         raise ConfigError(f"No exporter for drafter {family!r} in format {name!r}.\n{pairs_text()}")
     return FORMATS[(family, name)]

@@ -16,22 +16,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.atomic import atomic_write_json
-from train.export.core import Format, Shapes, Source, contiguous, register_format
+from data.atomic import atomic_write_json
+from train.drafters.eagle import EagleHead
+from train.export.core import Format, Shapes, Source, clean_config, contiguous, register_format, target_dims
 
 WEIGHTS = "model.safetensors"
 
 
-def _dims(tcfg: Any) -> dict[str, int]:
-    H = tcfg.hidden_size
-    nh = tcfg.num_attention_heads
-    nkv = getattr(tcfg, "num_key_value_heads", None) or nh
-    hd = getattr(tcfg, "head_dim", None) or H // nh
-    return {"H": H, "V": tcfg.vocab_size, "I": tcfg.intermediate_size, "q": nh * hd, "kv": nkv * hd}
-
-
 def required(src: Source) -> dict[str, Shapes]:
-    d = _dims(src.target_config)
+    d = target_dims(src.target_config)
     H, V, I_, q, kv = d["H"], d["V"], d["I"], d["q"], d["kv"]
     req: Shapes = {"embed_tokens.weight": (V, H), "fc.weight": (H, 2 * H), "fc.bias": (H,)}
     for layer in range(src.drafter_cfg.num_layers):
@@ -59,9 +52,7 @@ def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _config(src: Source, architecture: str, fmt: str) -> dict[str, Any]:
-    conf = src.target_config.to_dict()
-    for k in ("_name_or_path", "_model_name_or_path", "draftsmith", "quantization_config", "transformers_version"):
-        conf.pop(k, None)
+    conf = clean_config(src.target_config)
     conf.update(
         {
             "architectures": [architecture],
@@ -85,8 +76,6 @@ def _writer(architecture: str, fmt: str) -> Any:
 def load(directory: Path, target: Any) -> torch.nn.Module:
     """Import an EAGLE-layout head (ours or the EAGLE repository's, in safetensors) as the project's EagleHead."""
     from transformers import LlamaConfig
-
-    from train.drafters.eagle import EagleHead
 
     meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     tcfg = target.model.config

@@ -46,16 +46,27 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.atomic import atomic_write_json
+from data.atomic import atomic_write_json
 from train.drafters.eagle3 import (
     Eagle3Config,
     Eagle3Head,
     check_vocab_maps,
+    default_layer_ids,
     norm_flags,
     resolve_layer_ids,
     vocab_hash,
 )
-from train.export.core import ExportError, Format, Shapes, Source, contiguous, register_format
+from train.export.core import (
+    ExportError,
+    Format,
+    Shapes,
+    Source,
+    clean_config,
+    contiguous,
+    register_format,
+    target_dims,
+)
+from train.export.eagle import probe_ids
 
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"
@@ -126,14 +137,6 @@ def check_vocab(src: Source, state: dict[str, torch.Tensor], where: str) -> None
         )
 
 
-def _dims(tcfg: Any) -> dict[str, int]:
-    H = tcfg.hidden_size
-    nh = tcfg.num_attention_heads
-    nkv = getattr(tcfg, "num_key_value_heads", None) or nh
-    hd = getattr(tcfg, "head_dim", None) or H // nh
-    return {"H": H, "V": tcfg.vocab_size, "I": tcfg.intermediate_size, "q": nh * hd, "kv": nkv * hd}
-
-
 def _layer_shapes(prefix: str, d: dict[str, int]) -> Shapes:
     H, I_, q, kv = d["H"], d["I"], d["q"], d["kv"]
     return {
@@ -151,7 +154,7 @@ def _layer_shapes(prefix: str, d: dict[str, int]) -> Shapes:
 
 
 def _required(src: Source, prefix: str, embed: bool, vocab_maps: bool) -> dict[str, Shapes]:
-    d = _dims(src.target_config)
+    d = target_dims(src.target_config)
     H, V = d["H"], d["V"]
     vd = _head(src).draft_vocab_size
     req: Shapes = {"fc.weight": (H, len(_layer_ids(src)) * H), "norm.weight": (H,), "lm_head.weight": (vd, H)}
@@ -206,7 +209,7 @@ def _layer_config(tcfg: Any) -> dict[str, Any]:
         "attention_dropout": conf.get("attention_dropout", 0.0),
         "bos_token_id": conf.get("bos_token_id"),
         "eos_token_id": conf.get("eos_token_id"),
-        "head_dim": _dims(tcfg)["q"] // tcfg.num_attention_heads,
+        "head_dim": target_dims(tcfg)["q"] // tcfg.num_attention_heads,
         "hidden_act": conf.get("hidden_act", "silu"),
         "hidden_size": tcfg.hidden_size,
         "initializer_range": conf.get("initializer_range", 0.02),
@@ -217,7 +220,7 @@ def _layer_config(tcfg: Any) -> dict[str, Any]:
         "model_type": "llama",
         "num_attention_heads": tcfg.num_attention_heads,
         "num_hidden_layers": 1,
-        "num_key_value_heads": _dims(tcfg)["kv"] // (_dims(tcfg)["q"] // tcfg.num_attention_heads),
+        "num_key_value_heads": target_dims(tcfg)["kv"] // (target_dims(tcfg)["q"] // tcfg.num_attention_heads),
         "pad_token_id": None,
         "pretraining_tp": conf.get("pretraining_tp", 1),
         "rms_norm_eps": tcfg.rms_norm_eps,
@@ -305,9 +308,7 @@ def sgl_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
 def sgl_config(src: Source) -> dict[str, Any]:
     tcfg = src.target_config
     head = _head(src)
-    conf = tcfg.to_dict()
-    for k in ("_name_or_path", "_model_name_or_path", "draftsmith", "quantization_config", "transformers_version"):
-        conf.pop(k, None)
+    conf = clean_config(tcfg)
     ids = _layer_ids(src)
     n = int(tcfg.num_hidden_layers)
     conf.update(
@@ -321,7 +322,7 @@ def sgl_config(src: Source) -> dict[str, Any]:
             "dtype": str(next(head.parameters()).dtype).replace("torch.", ""),
         }
     )
-    if ids != [2, n // 2, n - 3]:
+    if ids != default_layer_ids(n):
         conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}
     conf["draftsmith"] = _drafter_meta(src, "sglang_eagle3")
     return conf
@@ -390,7 +391,7 @@ def spec_load(directory: Path, target: Any) -> Eagle3Head:
         raise ValueError(f"{directory}: norm flags {bad} describe math Eagle3Head does not have")
     norms = norm_flags(meta)
     n = int(tcfg.num_hidden_layers)
-    ids = [int(i) for i in (meta.get("eagle_aux_hidden_state_layer_ids") or [2, n // 2, n - 3])]
+    ids = [int(i) for i in (meta.get("eagle_aux_hidden_state_layer_ids") or default_layer_ids(n))]
     raw = load_file(str(directory / WEIGHTS))
     rows = int(raw["lm_head.weight"].shape[0])
     if int(meta.get("draft_vocab_size", -1)) != rows:
@@ -410,7 +411,7 @@ def sgl_load(directory: Path, target: Any) -> Eagle3Head:
         raise ValueError(f"{directory}: hidden/vocab {meta.get('hidden_size')}/{meta.get('vocab_size')} != target's")
     n = int(tcfg.num_hidden_layers)
     sgl_ids = (meta.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    ids = [int(i) + 1 for i in sgl_ids] if sgl_ids else [2, n // 2, n - 3]
+    ids = [int(i) + 1 for i in sgl_ids] if sgl_ids else default_layer_ids(n)
     recorded = (meta.get("draftsmith") or {}).get("layer_ids")
     if recorded is not None and list(recorded) != ids:
         raise ValueError(f"{directory}: eagle_config layer ids give HF layers {ids}, draftsmith recorded {recorded}")
@@ -428,12 +429,11 @@ def sgl_load(directory: Path, target: Any) -> Eagle3Head:
 @torch.no_grad()
 def probe(head: torch.nn.Module, target: Any) -> torch.Tensor:
     """Draft logits of two chained steps on real target features of a fixed sequence, plus the d2t map."""
-    from train.export.eagle import probe_ids
 
     assert isinstance(head, Eagle3Head)
     model = target.model
     n = int(model.config.num_hidden_layers)
-    ids_layers = list(getattr(head, "layer_ids", None) or [2, n // 2, n - 3])
+    ids_layers = list(getattr(head, "layer_ids", None) or default_layer_ids(n))
     ids = probe_ids(model.config.vocab_size).to(target.device)
     hs = model(input_ids=ids, output_hidden_states=True).hidden_states
     feats = torch.cat([hs[i] for i in ids_layers], dim=-1)[:, :-2]

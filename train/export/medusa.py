@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.atomic import atomic_write_json
+from data.atomic import atomic_write_json
+from train.drafters.registry import get
 from train.export.core import ExportError, Format, Shapes, Source, contiguous, register_format
+from train.export.eagle import probe_ids
 
 WEIGHTS = "medusa_lm_head.safetensors"
 PREFIX = "heads."
@@ -66,7 +68,6 @@ def write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -
 
 def load(directory: Path, target: Any) -> torch.nn.Module:
     """Import a Medusa export as the project's medusa module (built by the family, heads loaded strictly)."""
-    from train.drafters.registry import get
 
     meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     spec = get("medusa")
@@ -89,7 +90,6 @@ def load(directory: Path, target: Any) -> torch.nn.Module:
 @torch.no_grad()
 def probe(module: torch.nn.Module, target: Any) -> torch.Tensor:
     """Every head's draft logits on the target's last hidden states of a fixed token sequence."""
-    from train.export.eagle import probe_ids
 
     model = target.model
     ids = probe_ids(model.config.vocab_size).to(target.device)

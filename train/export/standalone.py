@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from train.atomic import atomic_write_json
-from train.export.core import Format, Shapes, Source, contiguous, register_format
+from data.atomic import atomic_write_json
+from train.drafters.registry import get
+from train.export.core import Format, Shapes, Source, clean_config, contiguous, register_format
+from train.export.eagle import probe_ids
 
 WEIGHTS = "model.safetensors"
 
@@ -78,9 +80,7 @@ def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
 def write_hf_dir(model: Any, tokenizer: Any, out: Path, weights: dict[str, dict[str, torch.Tensor]], meta: Any) -> None:
     """Write a plain HF causal-LM directory: weights, config.json (+ ``draftsmith`` block), tokenizer files."""
     save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
-    conf = model.config.to_dict()
-    for k in ("_name_or_path", "draftsmith", "quantization_config"):
-        conf.pop(k, None)
+    conf = clean_config(model.config, keep_version=True)
     conf["draftsmith"] = meta
     atomic_write_json(out / "config.json", conf)
     gen = getattr(model, "generation_config", None)
@@ -98,8 +98,6 @@ def load(directory: Path, target: Any) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        from train.drafters.registry import get
-
         spec = get("standalone")
     except Exception:  # the family module may not be written yet: the plain HF model is the drafter
         spec = None
@@ -112,7 +110,6 @@ def load(directory: Path, target: Any) -> torch.nn.Module:
 
 @torch.no_grad()
 def probe(module: torch.nn.Module, target: Any) -> torch.Tensor:
-    from train.export.eagle import probe_ids
 
     model = hf_model(module)
     ids = probe_ids(target.model.config.vocab_size).to(next(model.parameters()).device)

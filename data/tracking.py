@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from train.config import ConfigError, WandbConfig
+from data.config import ConfigError, WandbConfig
 
 logger = logging.getLogger(__name__)
 MODES = ("offline", "online", "disabled")
@@ -85,7 +86,6 @@ def log_stage(cfg: Any, run_dir: Path, stage: str, summary: dict[str, Any], file
     """One W&B run for a stage that has no per-step metrics (synth, features): the resolved config, the
     stage's counts and timings as summary, and where its outputs are. Named ``<run_name>-<stage>``, grouped by
     ``run_name``; a W&B failure never fails the stage."""
-    from dataclasses import asdict
 
     try:
         tracker = Tracker(cfg.wandb, run_dir, f"{cfg.run_name}-{stage}", cfg.run_name, stage, asdict(cfg))

@@ -9,6 +9,7 @@ Parts are written atomically; a restarted run skips finished parts.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -20,11 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from train.atomic import atomic_write_json, atomic_write_with
+from data.atomic import atomic_write_json, atomic_write_with
+from data.config import ConfigError
+from data.manifest import read_manifest, write_manifest
+from data.target import load_target
+from data.tracking import log_stage
 from train.batches import BatchPlan, load_rows
-from train.config import Config, ConfigError
+from train.config import Config
 from train.drafters import registry
-from train.manifest import read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 ROWS_PER_PART = 256
@@ -33,7 +37,6 @@ ROWS_PER_PART = 256
 def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
     """Parts are reused on a rerun only when they were made from the same inputs (``plan.json``, written before
     the first part); parts of another plan are refused, or removed with ``overwrite=true``, never mixed."""
-    import json
 
     path = out / "plan.json"
     old: dict[str, Any] | None = None
@@ -70,7 +73,6 @@ def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> No
 
 
 def run_features(cfg: Config, out: Path) -> dict[str, Any]:
-    from data.target import load_target
 
     if cfg.drafter is None:
         raise ConfigError("stage=features needs a drafter (drafter=eagle): it decides which layers to store")
@@ -138,7 +140,6 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
                         tensors[f"{i}.{layer}"] = hs[layer][j, :n].to("cpu").contiguous()
                 bar.update(len(group))
             atomic_write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
-    from train.tracking import log_stage
 
     manifest = write_manifest(
         out / "manifest.json",

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import platform
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from train.atomic import atomic_write_json
+from data.atomic import atomic_write_json
+from data.config import ConfigError, changed_keys, is_safe_change
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,6 @@ def write_manifest(path: Path, stage: str, cfg: Any, **sections: Any) -> dict[st
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """A stage's manifest; a missing or unreadable one is a :class:`ConfigError`-style user error naming it."""
-    from train.config import ConfigError
 
     if path.parent.is_file():
         raise ConfigError(f"{path.parent} is a file, not a stage output directory")
@@ -94,9 +95,6 @@ _PATH_KEYS = ("synth_dir", "train_dir", "eval.drafter_dir", "eval.continuations_
 def check_same_config(run_dir: Path, stage: str, cfg: Any) -> None:
     """Refuse (``ConfigError``) to replace ``run_dir``'s output when it was made with another config, unless
     ``cfg.overwrite``; the message names the keys that differ."""
-    import os
-
-    from train.config import ConfigError, changed_keys, is_safe_change
 
     path = run_dir / "manifest.json"
     if not path.is_file():

@@ -1,0 +1,201 @@
+"""The configuration of the data layer: the target, prompt sources, the synth stage, W&B, and the helpers every
+stage uses to compare configs. The root :class:`train.config.Config` nests these dataclasses; code in ``data``
+and ``eval`` imports them from here (the layers import downwards only: data <- eval <- train).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Protocol
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message says which and what is allowed."""
+
+
+@dataclass
+class TargetConfig:
+    """The target model whose outputs the drafter learns to predict."""
+
+    name: str = "smollm2-135m"
+    """A label for logs and manifests."""
+    path: str | None = None
+    """A local Hugging Face directory or a hub id; None selects the embedded SmolLM2 GGUF."""
+    gguf_file: str | None = None
+    """A GGUF file name inside ``path`` (converted once to a cached safetensors directory)."""
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    trust_remote_code: bool = False
+    """Run model code shipped with the checkpoint. Off unless you trust the checkpoint's author."""
+    cache_dir: str | None = None
+    """Where converted targets (GGUF -> safetensors) are cached, keyed by the GGUF's hash
+    (None: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith)."""
+
+    def resolved_cache_dir(self) -> str:
+        return resolve_path(self.cache_dir or os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith")
+
+
+@dataclass
+class SourceConfig:
+    """One prompt source in the data mixture."""
+
+    kind: str = "sharegpt"
+    """sharegpt | humaneval | jsonl."""
+    weight: float = 1.0
+    """Share of ``data.num_prompts`` drawn from this source (weights are normalised)."""
+    paths: list[str] = field(default_factory=list)
+    """For kind=jsonl: JSONL or Parquet files with OpenAI-style ``messages`` lists or ``prompt`` strings."""
+    max_records: int | None = None
+    """Read at most this many records from the source (None: all)."""
+    regenerate: float | None = None
+    """Share of this source's training conversations whose answers the target regenerates in stage synth (picked
+    by a salted hash of the id); the others keep the dataset's own answers, which cost no generation, only the
+    one target forward every row gets for its features. None: all of them when synth.regenerate, else none."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt sources (real traffic), their mixture, validation limits and the held-out split."""
+
+    sources: dict[str, SourceConfig] = field(default_factory=dict)
+    """Named prompt sources; set by the data group (data=sharegpt|humaneval|mix|jsonl), which replaces the
+    whole mapping (a source named in a YAML file is never silently mixed with the default's)."""
+    num_prompts: int | None = None
+    """Training conversations to synthesise in total (None: every valid training conversation)."""
+    heldout_fraction: float = 0.05
+    """Fraction of conversations (by hashed id) held out for evaluation and never trained on."""
+    split_salt: str = "heldout-v1"
+    """Salt of the hash that assigns conversations to the held-out split; change it to redraw the split."""
+    max_heldout: int = 200
+    """Held-out conversations written per source for the eval stage."""
+    max_turns: int = 4
+    """User turns kept per conversation (later turns are dropped)."""
+    max_prompt_tokens: int = 1024
+    """A conversation whose first prompt is longer than this (in target tokens) is skipped and counted."""
+    max_message_chars: int = 16000
+    """A message longer than this (in characters) makes the row malformed (skipped and counted)."""
+    shuffle_seed: int = 0
+    """Seed of the deterministic shuffle that picks which conversations are used."""
+
+
+@dataclass
+class SynthConfig:
+    """Stage synth: decode real prompts through the target ("mid-training" data)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    batch_size: int = 16
+    """Rows decoded together: engine=hf keeps this many rows in its batch (continuous batching); engine=hf_generate
+    decodes length-sorted, left-padded batches of this size."""
+    engine: str = "hf"
+    """hf: continuous batching on the HF target (data/generate.py: every prompt prefilled alone, finished rows
+    replaced at once) | hf_generate: transformers' ``generate`` on padded batches (the reference path) |
+    vllm: a vLLM worker process (data/vllm_engine.py; continuous batching, paged KV cache) | auto: vllm when a
+    Python that imports vllm is found (``vllm_python``, $DRAFTSMITH_VLLM_PYTHON, this one, ./.venv-engine),
+    else hf."""
+    vllm_python: str | None = None
+    """Interpreter that runs the vLLM worker (e.g. .venv-engine/bin/python); None: look for one (see engine)."""
+    vllm_dtype: str = "float32"
+    """vLLM weights/activations dtype: float32 (greedy rows equal the HF engine's) | bfloat16 | float16 | auto."""
+    vllm_eager: bool = True
+    """enforce_eager: no torch.compile/CUDA graphs (exact and starts fast); false is the fast choice on a GPU."""
+    chunk_size: int = 64
+    """Conversations per output file; the unit of atomic writes and of resume."""
+    num_shards: int = 1
+    """Split the work into this many shards (SLURM array tasks, GPUs)."""
+    shard_index: int | None = None
+    """Which shard this process runs (None: all shards, then merge)."""
+    max_seq_len: int = 2048
+    """Training rows are cut to this many tokens."""
+    regenerate: bool = True
+    """False keeps the original assistant answers (the baseline for the mid-training comparison)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """offline (default; no account needed) | online (needs WANDB_API_KEY) | disabled."""
+    project: str = "draftsmith"
+    entity: str | None = None
+
+
+SAFE_TO_CHANGE: tuple[str, ...] = (
+    "stage",
+    "resume",
+    "overwrite",
+    "launcher",
+    "slurm.",
+    "wandb.",
+    "runtime.",
+    "runs",
+    "train.max_steps",
+    "train.stop_after_steps",
+    "train.save_every",
+    "train.eval_every",
+    "train.log_every",
+    "train.keep_checkpoints",
+    "target.device",
+    "target.cache_dir",
+    "export.",
+    "eval.plot",
+)
+"""Config keys (or ``prefix.``) whose change does not change what a run computes: a resumed run continues with
+them changed (recorded in its manifest), and an output made with other values of them is not "another config"."""
+
+
+def flat_config(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config (dataclass or dict) as ``{"a.b.c": value}``."""
+
+    if is_dataclass(obj) and not isinstance(obj, type):
+        obj = asdict(obj)
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flat_config(v, f"{prefix}{k}."))
+        if not obj and prefix:
+            out[prefix[:-1]] = {}
+        return out
+    out[prefix[:-1]] = obj
+    return out
+
+
+def changed_keys(old: Any, new: Any, only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:
+    """``{key: (old, new)}`` for every config key that differs (restricted to keys under ``only`` if given)."""
+    a, b = flat_config(old), flat_config(new)
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        if only is not None and not any(key == p or key.startswith(p if p.endswith(".") else p + ".") for p in only):
+            continue
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            out[key] = (a.get(key, "<unset>"), b.get(key, "<unset>"))
+    return out
+
+
+def is_safe_change(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE)
+
+
+def resolve_path(path: str) -> str:
+    """Expand ``~`` and environment variables in a configured path."""
+    return os.path.expandvars(os.path.expanduser(path))
+
+
+class RunConfig(Protocol):
+    """What the data and eval stages read of the root config (:class:`train.config.Config` is one): the
+    layers below ``train`` are typed against this instead of importing the root."""
+
+    run_name: str
+    runs_root: str
+    seed: int
+    synth_dir: str
+    train_dir: str
+    overwrite: bool
+    target: TargetConfig
+    data: DataConfig
+    synth: SynthConfig
+    wandb: WandbConfig

@@ -1,0 +1,71 @@
+"""The configuration of stage eval (nested in the root :class:`train.config.Config` as ``eval``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from data.config import RunConfig
+
+
+@dataclass
+class EvalConfig:
+    """Stage eval: held-out acceptance length and speedup with the built-in speculative decoder."""
+
+    proposers: list[str] = field(default_factory=lambda: ["drafter", "prompt_lookup"])
+    """Compared with plain decoding: drafter (the trained one) | prompt_lookup | draft_model | hf_assisted
+    | hf_prompt_lookup."""
+    drafter_dir: str | None = None
+    """A saved drafter (default: the train stage's best checkpoint of this run)."""
+    draft_model: str | None = None
+    """A standalone draft model directory for the draft_model / hf_assisted proposers."""
+    prompts: str = "synth"
+    """Where held-out prompts come from: synth (the synth run's heldout.jsonl) | data (the held-out split of
+    the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed) | a JSONL or Parquet
+    file or glob (every row's prompt is judged; grouped by its ``source`` / ``domain`` field when present)."""
+    mode: str = "both"
+    """replay | decode | both. replay: tau, alpha and their 95% intervals from replaying the target's greedy
+    continuation of num_prompts prompts per source (one target forward per prompt, see eval/replay.py);
+    decode: real speculative decoding (wall-clock speed, token-for-token check); both: replay for tau, decode
+    for speed on the first decode_prompts prompts per source."""
+    num_prompts: int = 200
+    """Held-out prompts per source (replay; decode too when mode=decode)."""
+    max_new_tokens: int = 256
+    """New tokens per prompt (replay; decode too when mode=decode)."""
+    decode_prompts: int = 4
+    """mode=both: prompts per source that are also decoded for speed and the lossless check (at most
+    num_prompts: the first ones of the replayed sample)."""
+    decode_max_new_tokens: int = 64
+    """mode=both: new tokens per decoded prompt (at most max_new_tokens)."""
+    continuations_dir: str | None = None
+    """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
+    run dir's replay/)."""
+    replay_batch_size: int = 16
+    """Batch size for generating the continuations."""
+    replay_lanes: int = 32
+    """Prompts replayed at once, the drafters' linear layers batched across them (eval/lanes.py: each weight is
+    read once per round instead of once per prompt; same trajectories). 1 = one prompt at a time. Also used by
+    the training-time checks."""
+    bootstrap: int = 2000
+    """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    k: int = 5
+    """Chain length K for chain proposers."""
+    decode: str = "both"
+    """chain | tree | both: how the trained drafter drafts."""
+    tree_depth: int | None = None
+    """Tree drafts: maximum depth (None: the drafter's own setting; draft_model: 4)."""
+    tree_top_k: int | None = None
+    """Tree drafts: branching per expanded node (None: the drafter's own setting; draft_model: 4)."""
+    tree_total_tokens: int | None = None
+    """Tree drafts: draft tokens verified per step (None: the drafter's own setting; draft_model: 16)."""
+    prompt_lookup_max_ngram: int = 3
+    seed: int = 0
+    plot: bool = True
+
+
+class EvalRunConfig(RunConfig, Protocol):
+    """What stage eval reads of the root config."""
+
+    eval: EvalConfig
