@@ -157,7 +157,7 @@ class Trainer:
 
     def setup(self) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+        from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
 
         cfg = self.cfg
         cuda = torch.cuda.is_available() and cfg.target.device != "cpu"
@@ -174,6 +174,15 @@ class Trainer:
             kwargs_handlers=[InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")],
         )
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        # accelerate builds a DeepSpeed engine only off the CPU (AcceleratorState: ACCELERATE_USE_DEEPSPEED and not
+        # cpu). On a CPU the drafter trains with plain accelerate (DDP across processes): say so, and clip here.
+        self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
+        self.engine = f"DeepSpeed ZeRO-{cfg.deepspeed.zero_stage}" if self.deepspeed else "accelerate (no DeepSpeed)"
+        if cfg.deepspeed.enabled and not self.deepspeed and self.acc.is_main_process:
+            logger.warning(
+                "deepspeed.enabled, but accelerate runs DeepSpeed only on GPUs: this CPU run trains with plain "
+                "accelerate (DDP across processes); deepspeed.* does not apply, train.max_grad_norm is applied here"
+            )
         if not self.acc.is_main_process:
             logging.getLogger().setLevel(logging.WARNING)
         synth_manifest = read_manifest(Path(cfg.synth_dir) / "manifest.json")
@@ -231,11 +240,11 @@ class Trainer:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         logger.info(
-            "train %s: %d trainable parameters, %d processes, DeepSpeed %s, %s; %d rows, %d micro-batches/epoch",
+            "train %s: %d trainable parameters, %d processes, %s, %s; %d rows, %d micro-batches/epoch",
             cfg.drafter.name,
             self.n_trainable,
             self.world,
-            f"ZeRO-{cfg.deepspeed.zero_stage}" if cfg.deepspeed.enabled else "off",
+            self.engine,
             "bf16" if self.bf16 else "fp32",
             len(rows),
             self.plan.per_epoch,
@@ -372,7 +381,7 @@ class Trainer:
             with self.acc.accumulate(self.model):
                 loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
                 self.acc.backward(loss)
-                if self.acc.sync_gradients and not self.cfg.deepspeed.enabled:
+                if self.acc.sync_gradients and not self.deepspeed and cfg.max_grad_norm > 0:
                     self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 self.opt.step()
                 self.opt.zero_grad()
@@ -572,6 +581,7 @@ class Trainer:
             "trainable_parameters": self.n_trainable,
             "drafter_data": self.drafter_info,
             "world_size": self.world,
+            "engine": self.engine,
             "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
             "supervised_tokens_per_second": round(sup_tokens / max(elapsed, 1e-9), 2),
             "seconds": round(elapsed, 2),

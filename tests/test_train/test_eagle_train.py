@@ -95,3 +95,18 @@ def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path,
     _ok(_run([*base, f"hydra.run.dir={online}"], run_env))
     _ok(_run([*base, f"hydra.run.dir={pre}", "train.features=precomputed", f"train.features_dir={feats}"], run_env))
     assert _losses(pre) == pytest.approx(_losses(online), rel=1e-4)
+
+
+def test_gradient_clipping_applies_on_cpu(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+    """accelerate builds no DeepSpeed engine on a CPU: the run says so (log and manifest) and clips the gradients
+    itself, so train.max_grad_norm changes the training (it was silently ignored before)."""
+    base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "train.lr=1e-2"]
+    runs = {}
+    for name, clip in (("off", "0"), ("tiny", "1e-6")):
+        runs[name] = tmp_path / name
+        out = _ok(_run([*base, f"train.max_grad_norm={clip}", f"hydra.run.dir={runs[name]}"], run_env))
+        assert "accelerate (no DeepSpeed)" in out and "deepspeed.* does not apply" in out
+        assert json.loads((runs[name] / "manifest.json").read_text())["result"]["engine"] == "accelerate (no DeepSpeed)"
+    off, tiny = _losses(runs["off"]), _losses(runs["tiny"])
+    assert off[0] == pytest.approx(tiny[0], rel=1e-6)  # the same start ...
+    assert abs(off[2] - tiny[2]) > 1e-3 * abs(off[2]), (off, tiny)  # ... then a clipped (near-frozen) head differs
