@@ -1,5 +1,6 @@
 """Cluster operation against a real SLURM (scripts/slurm_local.sh): a synth job array + merge, a 2-task CPU
-DeepSpeed training job, preemption (SIGUSR2 -> checkpoint -> requeue -> resume=true -> same losses), a Hydra
+training job (DDP over gloo: accelerate builds DeepSpeed engines on GPUs only), preemption (SIGUSR2 ->
+checkpoint -> requeue -> resume=true -> same losses), a Hydra
 multirun sweep through hydra-submitit-launcher, and stage=compare on the resulting runs.
 
 Skipped when ``sbatch`` is absent, unless DRAFTSMITH_REQUIRE_SLURM=1 (then they fail). No mocks: every job is

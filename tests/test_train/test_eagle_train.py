@@ -1,4 +1,5 @@
-"""Stage train with the EAGLE head on the real target: loss falls, 2-process ZeRO-2 == 1 process,
+"""Stage train with the EAGLE head on the real target: loss falls, 2 processes == 1 process (deepspeed=zero2 in the
+config; on a CPU accelerate trains with DDP, see test_gradient_clipping_applies_on_cpu),
 kill-and-resume == uninterrupted, and the EAGLE proposer is lossless (chain and tree)."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def test_loss_falls_two_processes_match_and_resume_is_exact(
     synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
 ) -> None:
     base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN]
-    # One process, ZeRO-2, global batch = 2 micro-batches (grad_accum=2).
+    # One process, global batch = 2 micro-batches (grad_accum=2).
     one = tmp_path / "one"
     _ok(_run([*base, "train.grad_accum=2", f"hydra.run.dir={one}"], run_env))
     losses = _losses(one)
@@ -48,7 +49,7 @@ def test_loss_falls_two_processes_match_and_resume_is_exact(
     assert manifest["result"]["best"]["tau"] >= 1.0  # held-out tau measured at the end picks "best"
     assert (one / "best" / "model.safetensors").is_file()
 
-    # Two processes (torchrun, gloo), ZeRO-2, same global batch (grad_accum=1 each).
+    # Two processes (torchrun, gloo, DDP), same global batch (grad_accum=1 each).
     # Each step sees the same two micro-batches; only the order of the fp32 gradient sum differs, so the
     # losses agree to float32 rounding (we allow 1e-4 relative).
     two = tmp_path / "two"

@@ -1,5 +1,5 @@
 """A drafter family of one's own: one module (tests/test_train/toy_family.py) with one registration line, named in
-``DRAFTSMITH_DRAFTERS``; nothing else in the project changes. It trains (the real loop, DeepSpeed on CPU), decodes
+``DRAFTSMITH_DRAFTERS``; nothing else in the project changes. It trains (the real loop), decodes
 losslessly in stage eval, and stage export refuses it with the list of valid (family, format) pairs."""
 
 from __future__ import annotations
