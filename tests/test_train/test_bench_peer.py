@@ -39,3 +39,47 @@ def test_peer_trains_loads_and_is_judged_as_ours(synth_dir: Path, tmp_path: Path
     assert spec.name == "eagle3" and dcfg.draft_vocab_size == 512
     assert head.norms == {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
     assert dcfg.layer_ids == [2, 15, 27]
+
+
+def test_vs_peer_budget_and_vllm_statistics() -> None:
+    """scripts/bench_vs_peer.py: the peer gets exactly our run's budget, and vLLM's per-prompt counters become tau,
+    the ratio, the paired difference (ours minus the peer) and per-position shares without mixing up the sides."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_vs_peer import compare_vllm, peer_budget
+
+    manifest = {
+        "config": {
+            "seed": 3,
+            "train": {"max_steps": 150, "micro_batch_size": 8, "lr": 0.001, "warmup_steps": 10, "grad_accum": 1,
+                      "bucket_size": 64, "max_seq_len": 768},
+            "drafter": {"ttt_steps": 3, "draft_vocab_size": 8192},
+        },
+        "result": {"world_size": 1},
+    }  # fmt: skip
+    argv = peer_budget(manifest, [2, 15, 27])
+    got = dict(zip(argv[::2], argv[1::2], strict=True))
+    assert got == {"--steps": "150", "--batch-rows": "8", "--lr": "0.001", "--warmup": "10", "--ttt-steps": "3",
+                   "--draft-vocab": "8192", "--layers": "2,15,27", "--seed": "3", "--bucket-size": "64",
+                   "--max-seq-len": "768"}  # fmt: skip
+    manifest["config"]["train"]["grad_accum"] = 2
+    with pytest.raises(SystemExit, match="gradient accumulation"):
+        peer_budget(manifest, [2, 15, 27])
+
+    def row(src: str, i: int, drafts: int, accepted: int, per_pos: list[int], tokens: list[int]) -> dict:
+        return {"source": src, "id": str(i), "drafts": drafts, "accepted": accepted, "per_pos": per_pos,
+                "tokens": tokens}  # fmt: skip
+
+    ours = [row("a", 0, 10, 6, [4, 2, 0], [1, 2]), row("a", 1, 10, 4, [3, 1, 0], [3])]
+    ours.append(row("b", 2, 20, 10, [8, 2, 0], [4]))
+    peer = [row("a", 0, 10, 5, [4, 1, 0], [1, 2]), row("a", 1, 10, 2, [2, 0, 0], [3])]
+    peer.append(row("b", 2, 20, 10, [8, 2, 0], [5]))
+    r = compare_vllm(ours, peer, k=3)
+    assert r["all"]["tau_ours"] == 1.5 and r["all"]["tau_peer"] == 1.425  # 1 + 20/40, 1 + 17/40
+    assert r["all"]["ratio"] == round(1.5 / 1.425, 4)
+    assert r["all"]["paired"]["diff"] == pytest.approx(0.075) and r["all"]["paired"]["better"] == 2
+    assert r["all"]["paired"]["worse"] == 0 and r["all"]["paired"]["prompts"] == 3
+    assert r["a"]["tau_ours"] == 1.5 and r["a"]["tau_peer"] == 1.35 and r["b"]["ratio"] == 1.0
+    assert r["all"]["position_shares_ours"] == [0.375, 0.125, 0.0]
+    assert r["all"]["outputs_identical"] == 2 and r["a"]["outputs_identical"] == 2
+    with pytest.raises(SystemExit, match="same prompts"):
+        compare_vllm(ours, peer[::-1], k=3)
