@@ -158,13 +158,9 @@ def serve(args: argparse.Namespace, target: Any, prompts_path: Path, draft_dir: 
     return read_json(out)
 
 
-def fmt_paired(p: dict[str, Any] | None) -> str:
+def markdown(s: dict[str, Any]) -> str:
     from eval.replay import describe_paired
 
-    return describe_paired(p)
-
-
-def markdown(s: dict[str, Any]) -> str:
     lines = [
         f"# Ours vs the peer (speculators' EAGLE-3 trainer): {s['name']}",
         "",
@@ -179,14 +175,14 @@ def markdown(s: dict[str, Any]) -> str:
     for method, r in s.get("replay", {}).items():
         lines.append(
             f"| replay tau, {method} ({r['prompts']} prompts) | {r['tau_ours']:.3f} | {r['tau_peer']:.3f} | "
-            f"{r['ratio']:.3f}x; paired {fmt_paired(r['paired'])} |"
+            f"{r['ratio']:.3f}x; paired {describe_paired(r['paired'])} |"
         )
     v = s.get("vllm")
     if v:
         for src, r in v["by_source"].items():
             lines.append(
                 f"| vLLM tau_all K={v['k']}, {src} ({r['prompts']} prompts) | {r['tau_ours']:.3f} | "
-                f"{r['tau_peer']:.3f} | {r['ratio']:.3f}x; paired {fmt_paired(r['paired'])} |"
+                f"{r['tau_peer']:.3f} | {r['ratio']:.3f}x; paired {describe_paired(r['paired'])} |"
             )
         a = v["by_source"]["all"]
         lines += [
