@@ -6,17 +6,89 @@ and ``eval`` imports them from here (the layers import downwards only: data <- e
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol, get_type_hints
 
 
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message says which and what is allowed."""
 
 
+class Choice(StrEnum):
+    """A config value from a fixed set. Members are named as their values, so Hydra/OmegaConf accept the plain
+    string from YAML or the command line (and refuse others at compose time, naming the valid ones), JSON
+    manifests hold the string, and a member compares, hashes and formats as its string."""
+
+    @classmethod
+    def parse(cls, value: Any, key: str) -> Choice:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(cls.values())}") from None
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+def choice_fields(cls: type) -> dict[str, type[Choice]]:
+    """The fields of a config dataclass typed with a :class:`Choice` (``Optional`` included)."""
+    hints = get_type_hints(cls)
+    out: dict[str, type[Choice]] = {}
+    for f in fields(cls):
+        tp = hints[f.name]
+        for t in (tp, *getattr(tp, "__args__", ())):
+            if isinstance(t, type) and issubclass(t, Choice):
+                out[f.name] = t
+    return out
+
+
+class Choices:
+    """Mixin for config dataclasses: each :class:`Choice` field is parsed once, in ``__post_init__``, so a value
+    given as a string (a manifest read back, a config built in code) is refused with the valid ones listed."""
+
+    config_key: ClassVar[str] = ""
+    """The section's key in the config tree (``synth``, ``drafter``...), for error messages."""
+
+    def __post_init__(self) -> None:
+        for name, tp in choice_fields(type(self)).items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tp):
+                setattr(self, name, tp.parse(value, f"{self.config_key}.{name}" if self.config_key else name))
+
+
+class Dtype(Choice):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class SourceKind(Choice):
+    sharegpt = "sharegpt"
+    humaneval = "humaneval"
+    jsonl = "jsonl"
+
+
+class SynthEngine(Choice):
+    hf = "hf"
+    hf_generate = "hf_generate"
+    vllm = "vllm"
+    auto = "auto"
+
+
+class WandbMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
 @dataclass
-class TargetConfig:
+class TargetConfig(Choices):
     """The target model whose outputs the drafter learns to predict."""
+
+    config_key: ClassVar[str] = "target"
 
     name: str = "smollm2-135m"
     """A label for logs and manifests."""
@@ -24,7 +96,7 @@ class TargetConfig:
     """A local Hugging Face directory or a hub id; None selects the embedded SmolLM2 GGUF."""
     gguf_file: str | None = None
     """A GGUF file name inside ``path`` (converted once to a cached safetensors directory)."""
-    dtype: str = "auto"
+    dtype: Dtype = Dtype.auto
     """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
@@ -39,10 +111,11 @@ class TargetConfig:
 
 
 @dataclass
-class SourceConfig:
+class SourceConfig(Choices):
     """One prompt source in the data mixture."""
 
-    kind: str = "sharegpt"
+    config_key: ClassVar[str] = "data.sources.<name>"
+    kind: SourceKind = SourceKind.sharegpt
     """sharegpt | humaneval | jsonl."""
     weight: float = 1.0
     """Share of ``data.num_prompts`` drawn from this source (weights are normalised)."""
@@ -82,8 +155,10 @@ class DataConfig:
 
 
 @dataclass
-class SynthConfig:
+class SynthConfig(Choices):
     """Stage synth: decode real prompts through the target ("mid-training" data)."""
+
+    config_key: ClassVar[str] = "synth"
 
     max_new_tokens: int = 512
     temperature: float = 0.0
@@ -92,7 +167,7 @@ class SynthConfig:
     batch_size: int = 16
     """Rows decoded together: engine=hf keeps this many rows in its batch (continuous batching); engine=hf_generate
     decodes length-sorted, left-padded batches of this size."""
-    engine: str = "hf"
+    engine: SynthEngine = SynthEngine.hf
     """hf: continuous batching on the HF target (data/generate.py: every prompt prefilled alone, finished rows
     replaced at once) | hf_generate: transformers' ``generate`` on padded batches (the reference path) |
     vllm: a vLLM worker process (data/vllm_engine.py; continuous batching, paged KV cache) | auto: vllm when a
@@ -100,7 +175,7 @@ class SynthConfig:
     else hf."""
     vllm_python: str | None = None
     """Interpreter that runs the vLLM worker (e.g. .venv-engine/bin/python); None: look for one (see engine)."""
-    vllm_dtype: str = "float32"
+    vllm_dtype: Dtype = Dtype.float32
     """vLLM weights/activations dtype: float32 (greedy rows equal the HF engine's) | bfloat16 | float16 | auto."""
     vllm_eager: bool = True
     """enforce_eager: no torch.compile/CUDA graphs (exact and starts fast); false is the fast choice on a GPU."""
@@ -117,8 +192,9 @@ class SynthConfig:
 
 
 @dataclass
-class WandbConfig:
-    mode: str = "offline"
+class WandbConfig(Choices):
+    config_key: ClassVar[str] = "wandb"
+    mode: WandbMode = WandbMode.offline
     """offline (default; no account needed) | online (needs WANDB_API_KEY) | disabled."""
     project: str = "draftsmith"
     entity: str | None = None

@@ -44,9 +44,6 @@ from data.vllm_engine import VLLMEngine, find_engine_python
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("hf", "hf_generate", "vllm", "auto")
-VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
-
 
 @dataclass
 class TurnJob:
@@ -93,10 +90,6 @@ def validate_synth(cfg: SynthConfig) -> None:
         errors.append(f"synth.temperature={cfg.temperature} must be >= 0 (0 = greedy)")
     if not 0 < cfg.top_p <= 1:
         errors.append(f"synth.top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.engine not in ENGINES:
-        errors.append(f"synth.engine={cfg.engine!r} must be one of {', '.join(ENGINES)}")
-    if cfg.vllm_dtype not in VLLM_DTYPES:
-        errors.append(f"synth.vllm_dtype={cfg.vllm_dtype!r} must be one of {', '.join(VLLM_DTYPES)}")
     if cfg.batch_size < 1 or cfg.chunk_size < 1:
         errors.append("synth.batch_size and synth.chunk_size must be >= 1")
     if cfg.num_shards < 1:

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
-from data.config import RunConfig
+from data.config import Choice, Choices, RunConfig
+
+
+class EvalMode(Choice):
+    replay = "replay"
+    decode = "decode"
+    both = "both"
+
+
+class Decode(Choice):
+    """How a drafter drafts: one chain, or a tree."""
+
+    chain = "chain"
+    tree = "tree"
+
+
+class EvalDecode(Choice):
+    chain = "chain"
+    tree = "tree"
+    both = "both"
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Choices):
     """Stage eval: held-out acceptance length and speedup with the built-in speculative decoder."""
+
+    config_key: ClassVar[str] = "eval"
 
     proposers: list[str] = field(default_factory=lambda: ["drafter", "prompt_lookup"])
     """Compared with plain decoding: drafter (the trained one) | prompt_lookup | draft_model | hf_assisted
@@ -23,7 +44,7 @@ class EvalConfig:
     """Where held-out prompts come from: synth (the synth run's heldout.jsonl) | data (the held-out split of
     the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed) | a JSONL or Parquet
     file or glob (every row's prompt is judged; grouped by its ``source`` / ``domain`` field when present)."""
-    mode: str = "both"
+    mode: EvalMode = EvalMode.both
     """replay | decode | both. replay: tau, alpha and their 95% intervals from replaying the target's greedy
     continuation of num_prompts prompts per source (one target forward per prompt, see eval/replay.py);
     decode: real speculative decoding (wall-clock speed, token-for-token check); both: replay for tau, decode
@@ -52,7 +73,7 @@ class EvalConfig:
     top_p: float = 1.0
     k: int = 5
     """Chain length K for chain proposers."""
-    decode: str = "both"
+    decode: EvalDecode = EvalDecode.both
     """chain | tree | both: how the trained drafter drafts."""
     tree_depth: int | None = None
     """Tree drafts: maximum depth (None: the drafter's own setting; draft_model: 4)."""

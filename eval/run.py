@@ -107,9 +107,6 @@ def finish_result(res: Result, per: dict[str, list[DecodeStats]]) -> Result:
     return res
 
 
-MODES = ("replay", "decode", "both")
-
-
 def _decode_budget(e: Any) -> tuple[int, int]:
     """(prompts per source, new tokens) of the decoded sample: the whole sample in mode decode, else the
     smaller ``decode_prompts`` x ``decode_max_new_tokens`` one (never more than the replayed sample)."""
@@ -198,8 +195,6 @@ def build_methods(cfg: EvalRunConfig, target: Target, load_drafter: DrafterLoade
     unknown = [p for p in e.proposers if p not in PROPOSERS]
     if unknown:
         raise ConfigError(f"eval.proposers: unknown {unknown}; valid: {', '.join(PROPOSERS)}")
-    if e.decode not in ("chain", "tree", "both"):
-        raise ConfigError(f"eval.decode={e.decode!r} must be chain, tree or both")
     if any(p in e.proposers for p in ("draft_model", "hf_assisted")) and not e.draft_model:
         raise ConfigError(
             "eval.proposers has draft_model/hf_assisted but eval.draft_model is not set "
@@ -493,8 +488,6 @@ def check_eval_config(e: Any) -> None:
     """Cheap value checks of the eval settings (before anything loads)."""
     if e.max_new_tokens < 1 or e.k < 1 or e.num_prompts < 1 or e.replay_lanes < 1:
         raise ConfigError("eval.max_new_tokens, eval.num_prompts, eval.k and eval.replay_lanes must be >= 1")
-    if e.mode not in MODES:
-        raise ConfigError(f"eval.mode={e.mode!r} must be one of {', '.join(MODES)}")
     if e.mode == "both" and (e.decode_prompts < 1 or e.decode_max_new_tokens < 1):
         raise ConfigError("eval.decode_prompts and eval.decode_max_new_tokens must be >= 1 (or eval.mode=replay)")
     if e.mode != "decode" and e.temperature > 0:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 
 from data.config import (
+    Choice,
+    Choices,
     ConfigError,
     DataConfig,
     SynthConfig,
@@ -26,9 +28,27 @@ from eval.config import EvalConfig
 from train.drafters import registry
 
 
+class FeatureSource(Choice):
+    online = "online"
+    precomputed = "precomputed"
+
+
+class TrainDtype(Choice):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class CheckMode(Choice):
+    replay = "replay"
+    decode = "decode"
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(Choices):
     """Stage train: the one training loop (accelerate + DeepSpeed) shared by every drafter family."""
+
+    config_key: ClassVar[str] = "train"
 
     max_steps: int = 2000
     """Optimizer steps."""
@@ -48,10 +68,10 @@ class TrainConfig:
     """Training rows are cut to this many tokens."""
     bucket_size: int = 64
     """Rows are sorted by length within windows of bucket_size * micro_batch_size (length bucketing)."""
-    features: str = "online"
+    features: FeatureSource = FeatureSource.online
     """online: target hidden states computed in each step (target frozen) | precomputed: read from features_dir."""
     features_dir: str = "${runs_root}/${run_name}/features"
-    dtype: str = "auto"
+    dtype: TrainDtype = TrainDtype.auto
     """auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16."""
     log_every: int = 10
     save_every: int = 200
@@ -62,7 +82,7 @@ class TrainConfig:
     eval_prompts: int = 32
     """Held-out prompts per source for the checks (replayed: one target forward per prompt, cached continuations)."""
     eval_max_new_tokens: int = 128
-    eval_mode: str = "replay"
+    eval_mode: CheckMode = CheckMode.replay
     """replay (default; same counts as decoding, far cheaper) | decode (the real decoder, slow)."""
     stop_after_steps: int | None = None
     """Stop (after checkpointing) at this step although max_steps is later: for tests and time-sliced jobs."""
@@ -221,15 +241,17 @@ def _unwrap(tp: Any) -> Any:
     return None
 
 
-def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = (), base: str = "") -> None:
+def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = (), base: str = "") -> Any:
     """Raise :class:`ConfigError` if ``dotted`` (e.g. ``synth.max_new_tokenz``) is not in the schema.
 
-    The message lists the valid keys at the failing level and the closest match.
+    The message lists the valid keys at the failing level and the closest match. Returns the key's
+    :class:`Choice` type when it is choice-valued, else None.
     """
     node: Any = root
     parts = [*base.split("."), *dotted.split(".")] if base else dotted.split(".")
     start = len(base.split(".")) if base else 0
     dotted = ".".join(parts)
+    tp: Any = None
     for depth, part in enumerate(parts):
         if depth < start:
             continue
@@ -237,7 +259,7 @@ def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = (
             node = node[1]
             continue
         if not is_dataclass(node):
-            return
+            return None
         names = [f.name for f in fields(node)]
         if part not in names:
             prefix = ".".join(parts[:depth])
@@ -249,7 +271,27 @@ def check_key_path(dotted: str, root: type = Config, groups: tuple[str, ...] = (
                 f"Unknown config key '{dotted}': '{part}' is not a key of {where}.{hint}\n"
                 f"Valid keys of {where}: {', '.join(valid)}"
             )
-        node = _unwrap(_field_type(node, part))
+        tp = _field_type(node, part)
+        node = _unwrap(tp)
+    return _choice(tp)
+
+
+def _choice(tp: Any) -> type[Choice] | None:
+    for t in (tp, *get_args(tp)):
+        if isinstance(t, type) and issubclass(t, Choice):
+            return t
+    return None
+
+
+def check_choice(key: str, value: str, tp: type[Choice] | None) -> None:
+    """Refuse a value of a choice-valued key that is none of its choices (sweeps, interpolations and ``null``
+    are left to Hydra)."""
+    if tp is None or "," in value or "${" in value or value in ("null", "None"):
+        return
+    if value not in tp.values():
+        close = difflib.get_close_matches(value, tp.values(), n=1)
+        hint = f" Did you mean {key}={close[0]}?" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(tp.values())}.{hint}")
 
 
 def check_overrides(overrides: list[str], groups: tuple[str, ...], default_drafter: str = "eagle") -> None:
@@ -269,9 +311,10 @@ def check_overrides(overrides: list[str], groups: tuple[str, ...], default_draft
         if key.startswith("drafter."):
             chosen = next((o.split("=", 1)[1] for o in overrides if o.startswith("drafter=")), default_drafter)
             if chosen in registry.names() and "," not in chosen:
-                check_key_path(key.split(".", 1)[1], drafter_config_class(chosen), (), base="drafter")
+                tp = check_key_path(key.split(".", 1)[1], drafter_config_class(chosen), (), base="drafter")
+                check_choice(key, ov.split("=", 1)[1], tp)
             continue
-        check_key_path(key, Config, groups)
+        check_choice(key, ov.split("=", 1)[1], check_key_path(key, Config, groups))
 
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

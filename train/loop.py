@@ -86,12 +86,6 @@ def validate_train(cfg: Config) -> None:
         errors.append("train.micro_batch_size and train.grad_accum must be >= 1")
     if t.lr <= 0:
         errors.append(f"train.lr={t.lr} must be > 0")
-    if t.features not in ("online", "precomputed"):
-        errors.append(f"train.features={t.features!r} must be online or precomputed")
-    if t.dtype not in ("auto", "float32", "bfloat16"):
-        errors.append(f"train.dtype={t.dtype!r} must be auto, float32 or bfloat16")
-    if t.eval_mode not in ("replay", "decode"):
-        errors.append(f"train.eval_mode={t.eval_mode!r} must be replay or decode")
     if cfg.drafter is None:
         errors.append(f"no drafter chosen: add drafter=<{'|'.join(registry.names())}>")
     if errors:
@@ -156,6 +150,18 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Accelerator, target and data, drafter and optimizer, resume, tracking -- in that order."""
+        self._setup_accelerator()
+        rows = self._setup_target_and_data()
+        self._setup_drafter(rows)
+        self.step = 0
+        self.best: dict[str, Any] = {"tau": None, "step": None}
+        self.history: list[dict[str, Any]] = []
+        self.losses: list[list[float]] = []
+        self._resume_or_refuse()
+        self._setup_tracking(len(rows))
+
+    def _setup_accelerator(self) -> None:
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs
 
@@ -185,6 +191,10 @@ class Trainer:
             )
         if not self.acc.is_main_process:
             logging.getLogger().setLevel(logging.WARNING)
+
+    def _setup_target_and_data(self) -> list[Any]:
+        """Load the target (on this process's device), check it made the synth data, plan the batches."""
+        cfg = self.cfg
         synth_manifest = read_manifest(Path(cfg.synth_dir) / "manifest.json")
         tcfg = cfg.target
         tcfg.device = str(self.acc.device)
@@ -214,11 +224,16 @@ class Trainer:
         self.plan = BatchPlan(
             rows, cfg.train.micro_batch_size, cfg.train.bucket_size, cfg.seed, self.target.tokenizer.pad_token_id
         )
+        return rows
+
+    def _setup_drafter(self, rows: list[Any]) -> None:
+        """Build (and prepare) the drafter, its optimizer and schedule, wrapped by accelerate."""
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model = self.spec.build(cfg.drafter, self.target.model).float()
         self.drafter_info: dict[str, Any] = {}
         if self.spec.prepare is not None:
-            self.drafter_info = self.spec.prepare(model, rows, cfg.drafter)
+            self.drafter_info = self.spec.prepare(model, rows, cfg.drafter, self.target.model)
             logger.info("drafter data: %s", self.drafter_info)
         params = [p for p in model.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in params)
@@ -228,11 +243,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
         self.model, self.opt = self.acc.prepare(model, opt)
         self.acc.register_for_checkpointing(self.scheduler)
-        self.step = 0
-        self.best: dict[str, Any] = {"tau": None, "step": None}
-        self.history: list[dict[str, Any]] = []
-        self.losses: list[list[float]] = []
-        self._resume_or_refuse()
+
+    def _setup_tracking(self, n_rows: int) -> None:
+        cfg = self.cfg
         if self.acc.is_main_process:
             self.tracker = Tracker(
                 cfg.wandb, self.run_dir, f"{cfg.run_name}-train-{cfg.drafter.name}", cfg.run_name, "train", asdict(cfg)
@@ -246,7 +259,7 @@ class Trainer:
             self.world,
             self.engine,
             "bf16" if self.bf16 else "fp32",
-            len(rows),
+            n_rows,
             self.plan.per_epoch,
         )
 
@@ -451,7 +464,7 @@ class Trainer:
         self.acc.save_state(str(tmp / "state"))
         drafter = self._drafter_copy()
         if self.acc.is_main_process:
-            self.spec.save(drafter, str(tmp / "drafter"), self.cfg.drafter)
+            self.spec.save(drafter, str(tmp / "drafter"), self.cfg.drafter, self.target)
             if evaluate:
                 heldout = self._eval_tau(drafter)
                 tau = heldout["all"]["tau"]
@@ -535,44 +548,19 @@ class Trainer:
             window_tok += m["seq_tokens"]
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == stop_at:
-                dt = time.perf_counter() - window_t
-                m["tokens_per_s"] = window_tok / max(dt, 1e-9)
-                m["lr"] = self.scheduler.get_last_lr()[0]
+                m["tokens_per_s"] = window_tok / max(time.perf_counter() - window_t, 1e-9)
                 window_t, window_tok = time.perf_counter(), 0.0
-                bar.set_postfix(
-                    loss=f"{m['loss']:.3f}",
-                    acc=f"{m.get('acc_top1_pos1', 0):.3f}",
-                    tok_s=f"{m['tokens_per_s']:.0f}",
-                    refresh=False,
-                )
-                logger.info(
-                    "step %d loss %.4f %s",
-                    self.step,
-                    m["loss"],
-                    {k: float(f"{v:.4g}") for k, v in m.items() if k != "loss"},
-                )
-                if self.tracker:
-                    self.tracker.log({f"train/{k}": v for k, v in m.items()}, step=self.step)
+                self._log_step(m, bar)
             if self.stop_now:
-                self._save()
                 bar.close()
-                if self.acc.is_main_process:  # tells a SLURM job script to requeue (slurm/train.sbatch)
-                    atomic_write_json(
-                        self.run_dir / "stopped.json", {"step": self.step, "signal": self.stop_signal or signal.SIGUSR2}
-                    )
-                raise SystemExit(f"stopped by signal {self.stop_signal} at step {self.step}; resume=true continues")
+                self._stop_for_signal()
             evaluate = bool(cfg.eval_every) and self.step % cfg.eval_every == 0 and self.heldout_skip is None
             if self.step % cfg.save_every == 0 or evaluate:
                 self._save(evaluate=evaluate)
         bar.close()
         elapsed = time.perf_counter() - t_start
         done = self.step >= cfg.max_steps
-        need_eval = done and self.heldout_skip is None and (not self.history or self.history[-1]["step"] != self.step)
-        saved = self._checkpoints()
-        if need_eval or not saved or saved[-1].name != f"step-{self.step:06d}":
-            self._save(final=done, evaluate=need_eval)
-        elif done and self.acc.is_main_process:  # no held-out check at the end: best/ is the best so far, or the last
-            self._publish_best()
+        self._finish_checkpoints(done)
         result = {
             "steps": self.step,
             "steps_this_process": self.step - start_step,
@@ -587,6 +575,43 @@ class Trainer:
             "seconds": round(elapsed, 2),
             "heldout_checks": "ran" if self.heldout_skip is None else f"skipped: {self.heldout_skip}",
         }
+        self._write_result(result)
+        return result
+
+    def _log_step(self, m: dict[str, float], bar: Any) -> None:
+        """One logged step: progress bar, log line, W&B (``m`` holds the step's metrics and the window's rate)."""
+        m["lr"] = self.scheduler.get_last_lr()[0]
+        bar.set_postfix(
+            loss=f"{m['loss']:.3f}",
+            acc=f"{m.get('acc_top1_pos1', 0):.3f}",
+            tok_s=f"{m['tokens_per_s']:.0f}",
+            refresh=False,
+        )
+        logger.info(
+            "step %d loss %.4f %s", self.step, m["loss"], {k: float(f"{v:.4g}") for k, v in m.items() if k != "loss"}
+        )
+        if self.tracker:
+            self.tracker.log({f"train/{k}": v for k, v in m.items()}, step=self.step)
+
+    def _stop_for_signal(self) -> None:
+        """Preempted (SIGUSR2/SIGTERM): checkpoint, leave ``stopped.json`` for the job script, exit."""
+        self._save()
+        if self.acc.is_main_process:  # tells a SLURM job script to requeue (slurm/train.sbatch)
+            atomic_write_json(
+                self.run_dir / "stopped.json", {"step": self.step, "signal": self.stop_signal or signal.SIGUSR2}
+            )
+        raise SystemExit(f"stopped by signal {self.stop_signal} at step {self.step}; resume=true continues")
+
+    def _finish_checkpoints(self, done: bool) -> None:
+        """The last checkpoint (with the final held-out check when training is done), and best/."""
+        need_eval = done and self.heldout_skip is None and (not self.history or self.history[-1]["step"] != self.step)
+        saved = self._checkpoints()
+        if need_eval or not saved or saved[-1].name != f"step-{self.step:06d}":
+            self._save(final=done, evaluate=need_eval)
+        elif done and self.acc.is_main_process:  # no held-out check at the end: best/ is the best so far, or the last
+            self._publish_best()
+
+    def _write_result(self, result: dict[str, Any]) -> None:
         if self.acc.is_main_process:
             write_manifest(
                 self.run_dir / "manifest.json",
@@ -605,7 +630,6 @@ class Trainer:
                 self.tracker.summary({f"result/{k}": v for k, v in result.items() if isinstance(v, int | float)})
                 files = {"manifest": "manifest.json", "best": "best", "checkpoints": "checkpoints"}
                 self.tracker.files(self.run_dir, files)
-        return result
 
     def cleanup(self) -> None:
         if self.tracker:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from eval.config import Decode
 from eval.proposers.base import Proposer, TargetOutput
 from eval.tree import DraftTree, chain, dynamic_tree, tree_attention_mask, tree_depths
 
@@ -49,11 +50,9 @@ class FeatureHeadProposer(Proposer):
         feature_fn: Callable[[dict[int | str, torch.Tensor]], torch.Tensor] | None = None,
         aux_hidden_layers: list[int] | None = None,
     ) -> None:
-        if cfg.decode not in ("chain", "tree"):
-            raise ValueError(f"drafter.decode={cfg.decode!r} must be chain or tree")
         self.head = head.eval()
         self.lm_head = lm_head
-        self.mode = cfg.decode
+        self.mode = Decode.parse(cfg.decode, "drafter.decode")
         self.chain_k = int(cfg.chain_k)
         self.tree_depth = int(cfg.tree_depth)
         self.tree_top_k = int(cfg.tree_top_k)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from eval.config import Decode
 from eval.proposers.base import Proposer, TargetOutput
 from eval.tree import DraftTree, chain, empty_tree, static_tree, static_tree_paths_to_parents, tree_depths
 
@@ -89,11 +90,9 @@ class MedusaProposer(Proposer):
     needs_hidden_states = True
 
     def __init__(self, heads: torch.nn.Module, lm_head: Callable[[torch.Tensor], torch.Tensor], cfg: Any) -> None:
-        if cfg.decode not in ("chain", "tree"):
-            raise ValueError(f"drafter.decode={cfg.decode!r} must be chain or tree")
         self.heads = heads.eval()
         self.lm_head = lm_head
-        self.mode = cfg.decode
+        self.mode = Decode.parse(cfg.decode, "drafter.decode")
         self.num_heads = int(heads.num_heads)
         self.name = f"{getattr(cfg, 'name', 'medusa')}_{self.mode}"
         self.chain_k = min(int(cfg.chain_k), self.num_heads)

@@ -88,6 +88,32 @@ def test_cli_bad_value_is_a_message_not_a_traceback(tmp_path: Path) -> None:
     assert "max_new_tokens" in res.stderr and "Traceback" not in res.stderr + res.stdout
 
 
+def test_choice_values_are_enums_refused_with_the_choices() -> None:
+    """Choice-valued keys are :class:`Choice` enums: one check, on the command line (before Hydra), in Hydra's
+    compose, and in ``__post_init__`` for a config built in code or read back from a manifest."""
+    import dataclasses
+    import json
+
+    from data.config import SynthConfig, SynthEngine
+    from train.drafters.eagle3 import Eagle3Config
+
+    res = _cli("stage=synth", "synth.engine=vlm")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert (
+        "synth.engine='vlm' is not one of: hf, hf_generate, vllm, auto. Did you mean synth.engine=vllm?" in res.stderr
+    )
+    res = _cli("stage=synth", "drafter=standalone", "drafter.loss=ce")
+    assert res.returncode == 2 and "drafter.loss='ce' is not one of: kl, tv, kl_tv" in res.stderr
+    with pytest.raises(ConfigError, match=r"synth\.engine='vlm' is not one of"):
+        SynthConfig(engine="vlm")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"drafter\.decode='both' is not one of: chain, tree"):
+        Eagle3Config(decode="both")  # type: ignore[arg-type]
+    cfg = SynthConfig(engine="vllm")  # type: ignore[arg-type]
+    assert cfg.engine is SynthEngine.vllm and cfg.engine == "vllm" and f"{cfg.engine}" == "vllm"
+    assert json.loads(json.dumps(dataclasses.asdict(cfg)))["engine"] == "vllm"  # manifests hold the string
+    assert compose(["eval.mode=replay"]).eval.mode == "replay"
+
+
 def test_cli_unknown_group_option_lists_options() -> None:
     res = _cli("stage=synth", "data=sharegtp")
     assert res.returncode != 0

@@ -63,7 +63,7 @@ def _fit(spec, cfg, target, prompts, conts, steps: int = 40):  # -> module
     module = spec.build(cfg, target.model).float()
     rows = [Row([*p, *c], [0] * len(p) + [1] * len(c)) for p, c in zip(prompts, conts, strict=True)]
     if spec.prepare is not None:
-        spec.prepare(module, rows, cfg)
+        spec.prepare(module, rows, cfg, target.model)
     width = max(len(r.input_ids) for r in rows)
     pad = target.tokenizer.pad_token_id
     ids = torch.tensor([r.input_ids + [pad] * (width - len(r.input_ids)) for r in rows])

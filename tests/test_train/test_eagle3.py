@@ -41,6 +41,20 @@ def test_default_layers_and_feature_layers(target) -> None:
         spec.build(spec.config_cls(layer_ids=[2, 15, 31]), target.model)
 
 
+def test_layer_ids_are_the_heads_own_and_saved(target, tmp_path) -> None:
+    """Non-default layers are a constructor argument of the head, saved in config.json and read back by load
+    (nothing is hung on the module afterwards: no probe, no hidden target reference)."""
+    import json
+
+    spec, cfg, head = _head(target, layer_ids=[3, 10, 20], draft_vocab_size=256)
+    assert head.layer_ids == [3, 10, 20] and head.fc.in_features == 3 * target.model.config.hidden_size
+    assert not [k for k in vars(head) if k.startswith("_target") or k.startswith("_draftsmith")]
+    spec.save(head, str(tmp_path / "h"), cfg)
+    meta = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert meta["draftsmith"]["layer_ids"] == [3, 10, 20] == meta["eagle_aux_hidden_state_layer_ids"]
+    assert spec.load(str(tmp_path / "h"), target.model, None).layer_ids == [3, 10, 20]
+
+
 @pytest.mark.parametrize("norms", [False, True])
 def test_ttt_step_equals_inference_drafting(target, norms: bool) -> None:
     """Entry t of TTT step 1 must be exactly what the head computes when it drafts one token after committing
@@ -88,7 +102,7 @@ def test_vocab_from_data_and_corrupt_maps_refused(target, tmp_path: Path) -> Non
     assert ids.tolist() == [3, 5, 7, 9, 11, 12]
 
     spec, cfg, head = _head(target, draft_vocab_size=512)
-    info = spec.prepare(head, [Row(list(range(1000, 1600)), [1] * 600)], cfg)
+    info = spec.prepare(head, [Row(list(range(1000, 1600)), [1] * 600)], cfg, target.model)
     assert head.t2d.sum() == 512 and head.target_ids().tolist() == list(range(1000, 1512))
     assert torch.equal(head.lm_head.weight, target.model.get_output_embeddings().weight[1000:1512])
     out = tmp_path / "head"
@@ -123,7 +137,9 @@ def test_eagle3_proposer_is_lossless_on_the_real_target(target, decode: str) -> 
     spec, cfg, head = _head(
         target, decode=decode, chain_k=4, tree_depth=4, tree_top_k=3, tree_total_tokens=10, draft_vocab_size=4096
     )
-    spec.prepare(head, [Row(list(range(0, 8192, 2)), [1] * 4096)], cfg)  # a vocabulary that misses half the ids
+    spec.prepare(
+        head, [Row(list(range(0, 8192, 2)), [1] * 4096)], cfg, target.model
+    )  # a vocabulary that misses half the ids
     with torch.no_grad():
         head.fc.weight.normal_(0, 0.02)
     assert_greedy_identity(
@@ -168,7 +184,7 @@ def test_frozen_draft_lm_head_keeps_the_targets_rows(target) -> None:
 
     spec, cfg, head = _head(target, draft_vocab_size=512, freeze_lm_head=True, ttt_steps=2)
     ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
-    spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg)
+    spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg, target.model)
     rows = head.target_ids()
     assert torch.equal(head.lm_head.weight, target.model.get_output_embeddings().weight[rows])
     assert not head.lm_head.weight.requires_grad
@@ -200,7 +216,7 @@ def test_loss_all_positions_also_trains_where_the_target_top_is_outside_the_draf
     for every in (False, True):
         # a vocabulary of 8 of the row's tokens: the target's top token is often outside it
         spec, cfg, head = _head(target, draft_vocab_size=8, ttt_steps=1, loss_all_positions=every)
-        spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg)
+        spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg, target.model)
         loss, metrics = spec.loss(head, batch, feats, cfg)
         assert torch.isfinite(loss)
         counted[every] = int(metrics["tokens"])

@@ -225,7 +225,7 @@ def test_pretrained_draft_tokenizer_and_vocab_checks(target, tmp_path: Path) -> 
     spec.check(cfg, target)
     draft = spec.build(cfg, target.model)
     assert draft.config.hidden_size == 64 and draft.get_input_embeddings().weight.requires_grad
-    spec.save(draft, str(tmp_path / "saved"), cfg)
+    spec.save(draft, str(tmp_path / "saved"), cfg, target)
     assert (tmp_path / "saved" / "tokenizer.json").is_file()
 
     # A vocabulary-size mismatch is refused at load (e.g. a drafter trained for another target).
@@ -247,7 +247,7 @@ def test_save_load_round_trip(target, tmp_path: Path) -> None:
 
     spec, cfg, draft = _perturbed_draft(target, decode="chain", layer_ids=[5, 20])
     out = tmp_path / "drafter"
-    spec.save(draft, str(out), cfg)
+    spec.save(draft, str(out), cfg, target)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     ids = torch.tensor([target.tokenizer.encode("Speculative decoding drafts tokens and the target checks them.")])
     with torch.no_grad():

@@ -7,18 +7,16 @@ through ``DRAFTSMITH_DRAFTERS=tests.test_train.toy_family``): no file of the pro
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eval.proposers.base import Proposer, TargetOutput
 from eval.tree import DraftTree, chain
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
+from train.drafters.saving import load_state, read_weights, save_head
 
 
 @dataclass
@@ -76,16 +74,14 @@ class BigramProposer(Proposer):
         return chain(toks, torch.stack(probs) if probs else None)
 
 
-def save(module: nn.Module, directory: str, cfg: ToyConfig) -> None:
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({"draftsmith": {"drafter": asdict(cfg)}}))
+def save(module: nn.Module, directory: str, cfg: ToyConfig, target: Any) -> None:
+    vocab = int(module.out.out_features)
+    save_head(module, directory, cfg, {"hidden_size": None, "vocab_size": vocab})
 
 
 def load(directory: str, target_model: Any, cfg: ToyConfig) -> nn.Module:
     module = build(cfg, target_model)
-    module.load_state_dict(load_file(str(Path(directory) / "model.safetensors")))
+    load_state(module, read_weights(directory), f"toy drafter {directory}")
     return module.eval()
 
 

@@ -16,29 +16,31 @@ Decoding with any of its trees is exact (lossless): the target verifies every dr
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from data.config import ConfigError
+from data.config import Choices, ConfigError
+from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from train.drafters.layers import KV, DraftLayer
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
+from train.drafters.saving import load_state, read_head, save_head
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EagleConfig:
+class EagleConfig(Choices):
     """EAGLE-1/2 head and its decoding settings."""
+
+    config_key: ClassVar[str] = "drafter"
 
     name: str = "eagle"
     num_layers: int = 1
@@ -49,16 +51,12 @@ class EagleConfig:
     init_from_target: bool = False
     """Initialise the decoder layer from the target's last layer. Off by default: measured on SmolLM2, the
     copied layer blows up the head's outputs and top-1 accuracy stays near 0 (random init: 37% in 45 steps)."""
-    decode: str = "tree"
+    decode: Decode = Decode.tree
     """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic) | chain."""
     chain_k: int = 5
     tree_depth: int = 5
     tree_top_k: int = 4
     tree_total_tokens: int = 16
-
-
-def _target_config(target: Any) -> Any:
-    return target.config
 
 
 class EagleHead(nn.Module):
@@ -97,7 +95,7 @@ class EagleHead(nn.Module):
 
 
 def build(cfg: EagleConfig, target: Any) -> EagleHead:
-    tcfg = _target_config(target)
+    tcfg = target.config
     if cfg.num_layers < 1:
         raise ConfigError(f"drafter.num_layers={cfg.num_layers} must be >= 1")
     head = EagleHead(tcfg, cfg.num_layers)
@@ -138,35 +136,17 @@ def loss_fn(
     return loss, {"loss_reg": reg.detach(), "loss_ce": ce.detach(), "acc_top1_pos1": acc, "tokens": tokens}
 
 
-def save(head: nn.Module, directory: str, cfg: EagleConfig) -> None:
-    """EAGLE layout: ``config.json`` (a LlamaConfig with one layer) + ``model.safetensors``."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "drafter": "eagle"})
-    tcfg = head.config.to_dict()
-    tcfg.update({"num_hidden_layers": cfg.num_layers, "architectures": ["LlamaForCausalLMEagle"]})
-    tcfg["draftsmith"] = {"drafter": asdict(cfg)}
-    (out / "config.json").write_text(json.dumps(tcfg, indent=2, default=str), encoding="utf-8")
+def save(head: nn.Module, directory: str, cfg: EagleConfig, target: Any = None) -> None:
+    """EAGLE layout: ``config.json`` (the target's LlamaConfig with the head's layers) + ``model.safetensors``."""
+    core = extract_model_from_parallel(head)
+    conf = {**core.config.to_dict(), "num_hidden_layers": cfg.num_layers, "architectures": ["LlamaForCausalLMEagle"]}
+    save_head(core, directory, cfg, conf)
 
 
 def load(directory: str, target: Any, cfg: EagleConfig | None = None) -> EagleHead:
-    path = Path(directory)
-    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    saved = EagleConfig(**meta.get("draftsmith", {}).get("drafter", {}))
-    cfg = cfg or saved
-    tcfg = _target_config(target)
-    if meta.get("hidden_size") != tcfg.hidden_size or meta.get("vocab_size") != tcfg.vocab_size:
-        raise ValueError(
-            f"EAGLE head in {path} was trained for hidden_size={meta.get('hidden_size')}, "
-            f"vocab_size={meta.get('vocab_size')}; this target has {tcfg.hidden_size}, {tcfg.vocab_size}"
-        )
-    head = EagleHead(tcfg, saved.num_layers)
-    state = load_file(str(path / "model.safetensors"))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("rotary.")]
-    if missing or unexpected:
-        raise ValueError(f"EAGLE checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    saved = read_head(directory, EagleConfig, target.config, "EAGLE head")
+    head = EagleHead(target.config, saved.cfg.num_layers)
+    load_state(head, saved.state, f"EAGLE checkpoint {directory}")
     return head.to(next(target.parameters()).dtype).eval()
 
 

@@ -29,30 +29,31 @@ Parameter names follow SGLang's EAGLE-3 layout (``midlayer.*``, ``fc``, ``norm``
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import extract_model_from_parallel
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from data.config import ConfigError
+from data.config import Choices, ConfigError
+from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from train.drafters.layers import KV, DraftAttention
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
+from train.drafters.saving import load_state, read_head, save_head
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(Choices):
     """EAGLE-3 head and its decoding settings."""
+
+    config_key: ClassVar[str] = "drafter"
 
     name: str = "eagle3"
     layer_ids: list[int] | None = None
@@ -82,7 +83,7 @@ class Eagle3Config:
     norm_output: bool = False
     """Feed ``norm(h')`` back as the next step's feature (and take logits from it) instead of the pre-norm
     ``h'`` (speculators' trainer default: keeps the feature's magnitude from drifting over the steps)."""
-    decode: str = "tree"
+    decode: Decode = Decode.tree
     """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic tree) | chain."""
     chain_k: int = 5
     tree_depth: int = 5
@@ -161,10 +162,15 @@ def norm_flags(cfg: Any) -> dict[str, bool]:
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, config: Any, num_aux: int, draft_vocab_size: int, norms: dict[str, bool] | None = None) -> None:
+    def __init__(
+        self, config: Any, layer_ids: list[int], draft_vocab_size: int, norms: dict[str, bool] | None = None
+    ) -> None:
         super().__init__()
         H, V = config.hidden_size, config.vocab_size
+        num_aux = len(layer_ids)
         self.config = config
+        self.layer_ids = [int(i) for i in layer_ids]
+        """The target layers (HF ``hidden_states`` indices) whose concatenation ``fc`` fuses, in order."""
         self.hidden_size = H
         self.norms = norm_flags(norms or {})
         eps = getattr(config, "rms_norm_eps", 1e-6)
@@ -229,12 +235,10 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
     if cfg.ttt_steps < 1:
         raise ConfigError(f"drafter.ttt_steps={cfg.ttt_steps} must be >= 1")
     vd = draft_vocab(cfg, tcfg)
-    head = Eagle3Head(tcfg, len(layer_ids), vd, norm_flags(cfg))
+    head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(cfg))
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[:vd])
-    # Kept (not as a parameter or buffer) so prepare() can copy the rows of the chosen draft vocabulary.
-    object.__setattr__(head, "_target_lm_head", target.get_output_embeddings())
     head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     return head.to(next(target.parameters()).dtype)
 
@@ -276,8 +280,9 @@ def build_vocab(rows: list[Any], vocab_size: int, draft_vocab_size: int) -> tupl
     return ids, info
 
 
-def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config) -> dict[str, Any]:
-    """Build d2t/t2d from the training rows and initialise the draft LM head from the target's rows."""
+def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config, target: Any) -> dict[str, Any]:
+    """Build d2t/t2d from the training rows and initialise the draft LM head from the target's LM head rows
+    of the chosen draft vocabulary."""
     assert isinstance(head, Eagle3Head)
     V, vd = head.t2d.numel(), head.draft_vocab_size
     if vd == V:
@@ -289,9 +294,8 @@ def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config) -> dict[str, An
         head.d2t.copy_(ids - torch.arange(vd))
         head.t2d.zero_()
         head.t2d[ids] = True
-        src = getattr(head, "_target_lm_head", None)
-        if src is not None:
-            head.lm_head.weight.copy_(src.weight[ids.to(src.weight.device)].to(head.lm_head.weight))
+        src = target.get_output_embeddings().weight
+        head.lm_head.weight.copy_(src[ids.to(src.device)].to(head.lm_head.weight))
     info["d2t_hash"] = vocab_hash(head.d2t.cpu())
     return info
 
@@ -310,7 +314,7 @@ def loss_fn(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TTT loss; entry t of step j predicts ``x[t+j+2]`` from the token ``x[t+j+1]``."""
     core = extract_model_from_parallel(head)
-    layer_ids = resolve_layer_ids(cfg, core.config)
+    layer_ids = core.layer_ids
     ids, lm, am = batch.input_ids, batch.loss_mask, batch.attention_mask
     B, L = ids.shape
     T = L - 1
@@ -365,31 +369,22 @@ def loss_fn(
     return total, metrics
 
 
-def save(head: nn.Module, directory: str, cfg: Eagle3Config) -> None:
-    """``model.safetensors`` (SGLang EAGLE-3 names, without the embedding) + ``config.json``."""
-    assert isinstance(head, Eagle3Head)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {
-        k: v.detach().contiguous().cpu()
-        for k, v in head.state_dict().items()
-        if not k.startswith(("rotary.", "embed_tokens."))
+def save(head: nn.Module, directory: str, cfg: Eagle3Config, target: Any = None) -> None:
+    """``model.safetensors`` (SGLang EAGLE-3 names, without the frozen embedding) + ``config.json`` (with the
+    layer ids and the vocabulary map's hash)."""
+    core = extract_model_from_parallel(head)
+    assert isinstance(core, Eagle3Head)
+    conf = {
+        **core.config.to_dict(),
+        "num_hidden_layers": 1,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": core.draft_vocab_size,
+        "target_hidden_size": core.config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": core.layer_ids,
+        "tie_word_embeddings": False,
     }
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "drafter": "eagle3"})
-    tcfg = head.config.to_dict()
-    layer_ids = resolve_layer_ids(cfg, head.config)
-    tcfg.update(
-        {
-            "num_hidden_layers": 1,
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "draft_vocab_size": head.draft_vocab_size,
-            "target_hidden_size": head.config.hidden_size,
-            "eagle_aux_hidden_state_layer_ids": layer_ids,
-            "tie_word_embeddings": False,
-        }
-    )
-    tcfg["draftsmith"] = {"drafter": asdict(cfg), "d2t_hash": vocab_hash(head.d2t.cpu()), "layer_ids": layer_ids}
-    (out / "config.json").write_text(json.dumps(tcfg, indent=2, default=str), encoding="utf-8")
+    extra = {"d2t_hash": vocab_hash(core.d2t.cpu()), "layer_ids": core.layer_ids}
+    save_head(core, directory, cfg, conf, extra, skip=("embed_tokens.",))
 
 
 def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
@@ -412,16 +407,8 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int
 
 
 def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3Head:
-    path = Path(directory)
-    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    saved = Eagle3Config(**meta.get("draftsmith", {}).get("drafter", {}))
-    tcfg = target.config
-    if meta.get("hidden_size") != tcfg.hidden_size or meta.get("vocab_size") != tcfg.vocab_size:
-        raise ValueError(
-            f"EAGLE-3 head in {path} was trained for hidden_size={meta.get('hidden_size')}, "
-            f"vocab_size={meta.get('vocab_size')}; this target has {tcfg.hidden_size}, {tcfg.vocab_size}"
-        )
-    state = load_file(str(path / "model.safetensors"))
+    saved = read_head(directory, Eagle3Config, target.config, "EAGLE-3 head")
+    path, meta, state, tcfg = saved.path, saved.meta, saved.state, target.config
     if "d2t" not in state or "t2d" not in state or "lm_head.weight" not in state:
         raise ValueError(f"EAGLE-3 checkpoint {path} lacks d2t/t2d/lm_head.weight")
     vd = int(state["lm_head.weight"].shape[0])
@@ -430,25 +417,23 @@ def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3
             f"{path}: lm_head has {vd} rows but config.json says draft_vocab_size={meta.get('draft_vocab_size')}"
         )
     check_vocab_maps(state["d2t"], state["t2d"], vd, tcfg.vocab_size)
-    expected = meta.get("draftsmith", {}).get("d2t_hash")
+    expected = saved.recorded.get("d2t_hash")
     if expected is not None and vocab_hash(state["d2t"]) != expected:
         raise ValueError(
             f"{path}: d2t does not match the vocabulary the head was trained with (hash {vocab_hash(state['d2t'])} "
             f"!= {expected}); a d2t rebuilt from other data silently collapses acceptance"
         )
-    head = Eagle3Head(tcfg, len(resolve_layer_ids(saved, tcfg)), vd, norm_flags(saved))
+    layer_ids = saved.recorded.get("layer_ids") or resolve_layer_ids(saved.cfg, tcfg)
+    head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(saved.cfg))
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().float()
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("rotary.")]
-    if missing or unexpected:
-        raise ValueError(f"EAGLE-3 checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    load_state(head, state, f"EAGLE-3 checkpoint {path}")
     return head.to(next(target.parameters()).dtype).eval()
 
 
 def make_proposer(head: nn.Module, target: Any, cfg: Eagle3Config) -> Any:
 
     assert isinstance(head, Eagle3Head)
-    layer_ids = resolve_layer_ids(cfg, target.config)
+    layer_ids = head.layer_ids
     n = target.config.num_hidden_layers
 
     def feature_fn(hs: dict[int | str, torch.Tensor]) -> torch.Tensor:

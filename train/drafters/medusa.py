@@ -22,28 +22,30 @@ these accuracies (:func:`eval.proposers.medusa.default_tree_paths`).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from data.config import ConfigError
+from data.config import Choices, ConfigError
+from eval.config import Decode
 from eval.proposers.medusa import MedusaProposer, rank_prior
 from eval.tree import static_tree_paths_to_parents
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
+from train.drafters.saving import load_state, read_head, save_head
 
 RANK_WINDOW = 1 << 17
 """A head's rank counters are halved (integer division) once it has counted this many tokens."""
 
 
 @dataclass
-class MedusaConfig:
+class MedusaConfig(Choices):
     """Medusa heads on the frozen target's last hidden state, and their decoding settings."""
+
+    config_key: ClassVar[str] = "drafter"
 
     name: str = "medusa"
     num_heads: int = 4
@@ -55,7 +57,7 @@ class MedusaConfig:
     vocabulary projection, initialised from the target's."""
     loss_decay: float = 0.8
     """Loss weight of head k is ``loss_decay ** (k - 1)`` (Medusa's lambda_k)."""
-    decode: str = "tree"
+    decode: Decode = Decode.tree
     """tree (static Medusa tree of top-k paths) | chain (top-1 of each head)."""
     chain_k: int = 4
     tree_depth: int = 4
@@ -75,8 +77,6 @@ def validate(cfg: MedusaConfig) -> None:
         errors.append(f"drafter.num_layers={cfg.num_layers} must be >= 1")
     if not cfg.loss_decay > 0:
         errors.append(f"drafter.loss_decay={cfg.loss_decay} must be > 0")
-    if cfg.decode not in ("chain", "tree"):
-        errors.append(f"drafter.decode={cfg.decode!r} must be chain or tree")
     if cfg.chain_k < 1 or cfg.tree_depth < 1 or cfg.tree_top_k < 1 or cfg.tree_total_tokens < 1:
         errors.append("drafter.chain_k, tree_depth, tree_top_k and tree_total_tokens must be >= 1")
     if cfg.tree_paths:
@@ -153,9 +153,7 @@ class MedusaHeads(nn.Module):
 
 def _core(model: nn.Module) -> MedusaHeads:
     """The MedusaHeads inside DDP / DeepSpeed wrappers."""
-    m: Any = model
-    while not isinstance(m, MedusaHeads) and hasattr(m, "module"):
-        m = m.module
+    m = extract_model_from_parallel(model)
     assert isinstance(m, MedusaHeads), type(model)
     return m
 
@@ -228,40 +226,25 @@ def loss_fn(
     return loss, metrics
 
 
-def save(heads: nn.Module, directory: str, cfg: MedusaConfig) -> None:
+def save(heads: nn.Module, directory: str, cfg: MedusaConfig, target: Any = None) -> None:
     """``model.safetensors`` + ``config.json`` (sizes, Medusa's own keys, and ``draftsmith.drafter``)."""
     core = _core(heads)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in core.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "drafter": "medusa"})
-    meta = {
+    conf = {
         "architectures": ["MedusaHeads"],
         "hidden_size": core.hidden_size,
         "vocab_size": core.vocab_size,
         "medusa_num_heads": core.num_heads,
         "medusa_num_layers": core.num_layers,
-        "draftsmith": {"drafter": asdict(cfg)},
     }
-    (out / "config.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+    save_head(core, directory, cfg, conf)
 
 
 def load(directory: str, target: Any, cfg: MedusaConfig | None = None) -> MedusaHeads:
-    path = Path(directory)
-    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    saved = MedusaConfig(**meta.get("draftsmith", {}).get("drafter", {}))
-    tcfg = target.config
-    if meta.get("hidden_size") != tcfg.hidden_size or meta.get("vocab_size") != tcfg.vocab_size:
-        raise ValueError(
-            f"Medusa heads in {path} were trained for hidden_size={meta.get('hidden_size')}, "
-            f"vocab_size={meta.get('vocab_size')}; this target has {tcfg.hidden_size}, {tcfg.vocab_size}"
-        )
-    state = load_file(str(path / "model.safetensors"))
-    top_k = state["rank_hits"].shape[1] if "rank_hits" in state else saved.tree_top_k
-    heads = MedusaHeads(tcfg.hidden_size, tcfg.vocab_size, saved.num_heads, saved.num_layers, saved.own_lm_head, top_k)
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"Medusa checkpoint {path}: missing {missing}, unexpected {unexpected}")
+    saved = read_head(directory, MedusaConfig, target.config, "Medusa heads")
+    c, tcfg = saved.cfg, target.config
+    top_k = saved.state["rank_hits"].shape[1] if "rank_hits" in saved.state else c.tree_top_k
+    heads = MedusaHeads(tcfg.hidden_size, tcfg.vocab_size, c.num_heads, c.num_layers, c.own_lm_head, top_k)
+    load_state(heads, saved.state, f"Medusa checkpoint {directory}")
     return heads.to(next(target.parameters()).dtype).eval()
 
 

@@ -66,18 +66,20 @@ class DrafterSpec:
     """``proposer(drafter, target_model, drafter_cfg) -> eval.proposers.base.Proposer``."""
     load: Callable[[str, Any, Any], torch.nn.Module]
     """``load(directory, target_model, drafter_cfg) -> module`` from a saved drafter directory."""
-    save: Callable[[torch.nn.Module, str, Any], None]
-    """``save(drafter, directory, drafter_cfg)``: safetensors weights + config.json."""
+    save: Callable[[torch.nn.Module, str, Any, Any], None]
+    """``save(drafter, directory, drafter_cfg, target)``: safetensors weights + config.json (``target``: the loaded
+    ``data.target.Target``, for what a drafter ships beside its weights, e.g. the tokenizer; may be None).
+    Head families use :func:`train.drafters.saving.save_head` / ``read_head`` / ``load_state``."""
     feature_layers: Callable[[Any, Any], list[int]] = lambda cfg, target_config: [target_config.num_hidden_layers]
     """Which target hidden states the loss reads (indices into HF ``hidden_states``); default: the last."""
     export_module: str | None = None
     """The module that registers this family's export formats (``train.export.core.register_format``), imported
     when an export is asked for; None: the family has no export format (stage export lists the valid pairs)."""
-    prepare: Callable[[torch.nn.Module, list[Any], Any], dict[str, Any]] | None = None
-    """``prepare(drafter, rows, cfg) -> info``: data-dependent initialisation of a freshly built drafter from the
-    training rows (``train.batches.Row``: ``input_ids``, ``loss_mask``), e.g. EAGLE-3's draft vocabulary. It
-    must be deterministic (every process calls it) and keep what it derives in persistent buffers, so it is
-    checkpointed and saved. ``info`` goes into the train manifest."""
+    prepare: Callable[[torch.nn.Module, list[Any], Any, Any], dict[str, Any]] | None = None
+    """``prepare(drafter, rows, cfg, target_model) -> info``: data-dependent initialisation of a freshly built
+    drafter from the training rows (``train.batches.Row``: ``input_ids``, ``loss_mask``), e.g. EAGLE-3's draft
+    vocabulary. It must be deterministic (every process calls it) and keep what it derives in persistent
+    buffers, so it is checkpointed and saved. ``info`` goes into the train manifest."""
     check: Callable[[Any, Any], None] | None = None
     """``check(cfg, target)`` with the loaded ``data.target.Target`` (model, tokenizer): refuse a config that
     cannot work with this target before anything is built (e.g. a draft model with another tokenizer)."""

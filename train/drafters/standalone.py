@@ -29,31 +29,40 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from data.config import ConfigError
+from data.atomic import atomic_write_json
+from data.config import Choice, Choices, ConfigError
+from eval.config import Decode
 from eval.proposers.draft_model import DraftModelProposer, check_vocab_compatibility
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 
 logger = logging.getLogger(__name__)
 
-INITS = ("target", "scratch", "pretrained")
-LOSSES = ("kl", "tv", "kl_tv")
 
-_TOKENIZERS: dict[int, Any] = {}
-"""id(target model) -> the target's tokenizer, recorded by :func:`check` so built drafters can save it."""
+class Init(Choice):
+    target = "target"
+    scratch = "scratch"
+    pretrained = "pretrained"
+
+
+class Loss(Choice):
+    kl = "kl"
+    tv = "tv"
+    kl_tv = "kl_tv"
 
 
 @dataclass
-class StandaloneConfig:
+class StandaloneConfig(Choices):
     """A small causal LM with the target's tokenizer, distilled on the synth data."""
 
+    config_key: ClassVar[str] = "drafter"
     name: str = "standalone"
-    init: str = "target"
+    init: Init = Init.target
     """target (embeddings, LM head and ``layer_ids`` copied from the target) | scratch | pretrained
     (an existing HF causal LM at ``pretrained_path`` with the target's tokenizer)."""
     pretrained_path: str | None = None
@@ -65,12 +74,12 @@ class StandaloneConfig:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    loss: str = "kl"
+    loss: Loss = Loss.kl
     """kl (forward KL to the target's next-token distribution) | tv (total variation) | kl_tv (sum)."""
     freeze_embeddings: bool = True
     """Freeze the input embeddings (and the LM head when it is tied to them)."""
     gradient_checkpointing: bool = True
-    decode: str = "tree"
+    decode: Decode = Decode.tree
     chain_k: int = 5
     tree_depth: int = 5
     tree_top_k: int = 4
@@ -89,12 +98,6 @@ def default_layer_ids(num_layers: int, target_layers: int) -> list[int]:
 
 def _validate(cfg: StandaloneConfig, tcfg: Any) -> None:
     errors = []
-    if cfg.init not in INITS:
-        errors.append(f"drafter.init={cfg.init!r} must be one of {', '.join(INITS)}")
-    if cfg.loss not in LOSSES:
-        errors.append(f"drafter.loss={cfg.loss!r} must be one of {', '.join(LOSSES)}")
-    if cfg.decode not in ("chain", "tree"):
-        errors.append(f"drafter.decode={cfg.decode!r} must be chain or tree")
     if cfg.init != "pretrained" and cfg.num_layers < 1:
         errors.append(f"drafter.num_layers={cfg.num_layers} must be >= 1")
     if cfg.init == "pretrained" and not cfg.pretrained_path:
@@ -189,15 +192,6 @@ def _copy_from_target(draft: nn.Module, target: nn.Module, layer_ids: list[int] 
         draft.tie_weights()
 
 
-def _attach(draft: nn.Module, target: nn.Module) -> None:
-    """Keep the target's tokenizer reachable from the drafter so :func:`save` can write it next to it."""
-    tok = _TOKENIZERS.get(id(target))
-    if tok is not None:
-        draft._draftsmith_tokenizer = tok  # type: ignore[assignment]
-    else:
-        draft._draftsmith_tokenizer_path = getattr(target.config, "_name_or_path", None)  # type: ignore[assignment]
-
-
 def build(cfg: StandaloneConfig, target: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -223,7 +217,6 @@ def build(cfg: StandaloneConfig, target: Any) -> nn.Module:
             draft.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    _attach(draft, target)
     return draft.to(next(target.parameters()).dtype)
 
 
@@ -249,7 +242,6 @@ def _check_vocab_size(draft: nn.Module, tcfg: Any, where: str) -> None:
 def check(cfg: StandaloneConfig, target: Any) -> None:
     """Refuse before building: a bad config, or a pretrained draft whose tokenizer is not the target's."""
     _validate(cfg, target.model.config)
-    _TOKENIZERS[id(target.model)] = target.tokenizer
     if cfg.init != "pretrained":
         return
     from transformers import AutoConfig, AutoTokenizer
@@ -304,34 +296,20 @@ def loss_fn(
     return loss, {"acc_top1_pos1": acc, "tv": tv.detach(), "kl": kl.detach(), "tokens": tokens}
 
 
-def _save_tokenizer(draft: nn.Module, out: Path) -> bool:
-    tok = getattr(draft, "_draftsmith_tokenizer", None)
-    if tok is None:
-        path = getattr(draft, "_draftsmith_tokenizer_path", None)
-        if path and Path(path).is_dir():
-            from transformers import AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(path)
-            except Exception as exc:  # no tokenizer files next to the target weights
-                logger.warning("could not load the target tokenizer from %s to save it: %s", path, exc)
-    if tok is None:
-        return False
-    tok.save_pretrained(str(out))
-    return True
-
-
-def save(model: nn.Module, directory: str, cfg: StandaloneConfig) -> None:
-    """A plain HF directory (``config.json`` with ``draftsmith.drafter``, safetensors, the target's tokenizer)."""
+def save(model: nn.Module, directory: str, cfg: StandaloneConfig, target: Any = None) -> None:
+    """A plain HF directory (``config.json`` with ``draftsmith.drafter``, safetensors) with the tokenizer of
+    ``target`` (``data.target.Target``; without it, no tokenizer files and a warning)."""
     draft = extract_model_from_parallel(model)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(str(out), safe_serialization=True)
     meta = json.loads((out / "config.json").read_text(encoding="utf-8"))
     meta["draftsmith"] = {"drafter": asdict(cfg)}
-    (out / "config.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
-    if not _save_tokenizer(draft, out):
-        logger.warning("standalone drafter saved to %s without tokenizer files (target tokenizer unknown)", out)
+    atomic_write_json(out / "config.json", meta)
+    if target is not None:
+        target.tokenizer.save_pretrained(str(out))
+    else:
+        logger.warning("standalone drafter saved to %s without tokenizer files (no target given)", out)
 
 
 def load(directory: str, target: Any, cfg: StandaloneConfig | None = None) -> nn.Module:

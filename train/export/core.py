@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from data.config import ConfigError
 from train.drafters import registry
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 Shapes = dict[str, tuple[int, ...]]
 """Tensor name -> shape."""
+T = TypeVar("T")
 
 
 class ExportError(ValueError):
@@ -74,23 +76,106 @@ class Source:
         }
 
 
+Dim = int | str
+"""One dimension of a required shape: a number, or a symbol of the dims a format resolves (``"H"``, ``"V"``...)."""
+ShapeTable = dict[str, tuple[Dim, ...]]
+"""A format's required tensors as data: tensor name -> symbolic shape (resolved by :func:`shapes`)."""
+
+
+def shapes(table: ShapeTable, dims: Mapping[str, int], prefix: str = "") -> Shapes:
+    """Resolve a :data:`ShapeTable` against ``dims`` (every name gets ``prefix``)."""
+    return {prefix + name: tuple(d if isinstance(d, int) else dims[d] for d in shape) for name, shape in table.items()}
+
+
+LLAMA_LAYER: ShapeTable = {
+    "self_attn.q_proj.weight": ("q", "A"),
+    "self_attn.k_proj.weight": ("kv", "A"),
+    "self_attn.v_proj.weight": ("kv", "A"),
+    "self_attn.o_proj.weight": ("H", "q"),
+    "mlp.gate_proj.weight": ("I", "H"),
+    "mlp.up_proj.weight": ("I", "H"),
+    "mlp.down_proj.weight": ("H", "I"),
+    "post_attention_layernorm.weight": ("H",),
+}
+"""A Llama decoder layer's tensors (no ``input_layernorm``: formats differ there). ``A`` is the attention's input
+width: ``H`` for a plain layer, ``2H`` for EAGLE-3's ``[embedding, feature]`` input."""
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """How a family's module names become a format's tensor names, as data, read both ways.
+
+    ``to_file`` drops the module tensors the format does not store (``drop``: name prefixes) and renames the
+    first matching ``(module prefix, file prefix)`` of ``rename``; ``to_module`` is its inverse, used by the
+    re-importers. A format that stores the module's names as they are has an empty map."""
+
+    rename: tuple[tuple[str, str], ...] = ()
+    drop: tuple[str, ...] = ()
+
+    def to_file(self, state: Mapping[str, T]) -> dict[str, T]:
+        """Module names -> file names (tensors, or the shapes of a required table)."""
+        return {self._map(k, 0, 1): v for k, v in state.items() if not (self.drop and k.startswith(self.drop))}
+
+    def to_module(self, state: Mapping[str, T]) -> dict[str, T]:
+        return {self._map(k, 1, 0): v for k, v in state.items()}
+
+    def _map(self, key: str, src: int, dst: int) -> str:
+        for pair in self.rename:
+            if key.startswith(pair[src]):
+                return pair[dst] + key[len(pair[src]) :]
+        return key
+
+
 @dataclass(frozen=True)
 class Format:
-    """One (drafter family, export format) pair."""
+    """One (drafter family, export format) pair: its weight file and name map (data), and its hooks."""
 
     family: str
     name: str
     doc: str
-    tensors: Callable[[Source], dict[str, dict[str, torch.Tensor]]]
-    """``tensors(src) -> {file name: {tensor name: tensor}}``: the weights in the format's names."""
+    weights: str
+    """The safetensors file the weights go into."""
+    keys: KeyMap
+    """Module names -> this format's tensor names (and back, for the re-importer)."""
     required: Callable[[Source], dict[str, Shapes]]
-    """``required(src) -> {file name: {tensor name: shape}}``: every tensor the format must hold."""
-    write: Callable[[Source, Path, dict[str, dict[str, torch.Tensor]]], None]
-    """``write(src, tmp_dir, tensors)``: the weight files, config.json and any other engine files."""
+    """``required(src) -> {file name: {tensor name: shape}}``: every tensor the format must hold (built from
+    :data:`ShapeTable` s)."""
+    write_config: Callable[[Source, Path], None]
+    """``write_config(src, tmp_dir)``: config.json and any other engine files (the weights are written by
+    :func:`write_weights`)."""
     load: Callable[[Path, Any], torch.nn.Module]
     """The importer: ``load(export_dir, target) -> the family's module`` (used by the round-trip check)."""
     probe: Callable[[torch.nn.Module, Any], torch.Tensor]
     """``probe(module, target) -> draft logits`` on a fixed input: equal for the trained and re-imported drafter."""
+    tensors: Callable[[Source], dict[str, dict[str, torch.Tensor]]] = None  # type: ignore[assignment]
+    """``tensors(src) -> {file name: {tensor name: tensor}}``; default: the module's state through :attr:`keys`."""
+    check: Callable[[Source, dict[str, torch.Tensor], str], None] | None = None
+    """``check(src, weights, where)``: refusals beyond names and shapes, before anything is written."""
+
+    def __post_init__(self) -> None:
+        if self.tensors is None:
+            object.__setattr__(self, "tensors", self.mapped_tensors)
+
+    def mapped_tensors(self, src: Source) -> dict[str, dict[str, torch.Tensor]]:
+        """The module's state dict in this format's names."""
+        return {self.weights: contiguous(self.keys.to_file(src.module.state_dict()))}
+
+    def write(self, src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Check, then write the weight files and the format's config into ``out``."""
+        if self.check is not None:
+            self.check(src, weights[self.weights], f"{self.family} -> {self.name} export {out}")
+        for fname, state in weights.items():
+            save_file(state, str(out / fname), metadata={"format": "pt"})
+        self.write_config(src, out)
+
+    def read(self, directory: Path) -> dict[str, torch.Tensor]:
+        """The re-importer's first step: the written weights, in the module's names."""
+        return read_weights(directory, self.weights, self.keys)
+
+
+def read_weights(directory: Path, fname: str, keys: KeyMap) -> dict[str, torch.Tensor]:
+    """A written weight file, renamed back to the module's names through ``keys``."""
+    return keys.to_module(load_file(str(directory / fname)))
 
 
 FORMATS: dict[tuple[str, str], Format] = {}
@@ -272,6 +357,19 @@ def model_card(src: Source, fmt: Format, files: list[str]) -> str:
         lines.append("No eval stage results were found for this run (run `stage=eval` before exporting).")
     lines += ["", "## Files", *[f"- `{f}`" for f in sorted(files)], ""]
     return "\n".join(lines)
+
+
+PROBE_LEN = 24
+
+
+def probe_ids(vocab: int, n: int = PROBE_LEN) -> torch.Tensor:
+    """The fixed token sequence every format's round-trip probe runs on."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(3, vocab, (1, n), generator=g)
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "config.json").read_text(encoding="utf-8"))
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

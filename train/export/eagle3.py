@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from data.atomic import atomic_write_json
 from train.drafters.eagle3 import (
@@ -53,20 +52,25 @@ from train.drafters.eagle3 import (
     check_vocab_maps,
     default_layer_ids,
     norm_flags,
-    resolve_layer_ids,
     vocab_hash,
 )
+from train.drafters.saving import load_state
 from train.export.core import (
+    LLAMA_LAYER,
     ExportError,
     Format,
+    KeyMap,
     Shapes,
+    ShapeTable,
     Source,
     clean_config,
-    contiguous,
+    probe_ids,
+    read_config,
+    read_weights,
     register_format,
+    shapes,
     target_dims,
 )
-from train.export.eagle import probe_ids
 
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"
@@ -92,8 +96,7 @@ def _head(src: Source) -> Eagle3Head:
 
 
 def _layer_ids(src: Source) -> list[int]:
-    cfg = src.drafter_cfg if isinstance(src.drafter_cfg, Eagle3Config) else Eagle3Config()
-    ids = resolve_layer_ids(cfg, src.target_config)
+    ids = _head(src).layer_ids
     if len(ids) * _head(src).hidden_size != _head(src).fc.in_features:
         raise ExportError(f"{src.drafter_dir}: fc takes {_head(src).fc.in_features} inputs but layer_ids={ids}")
     return ids
@@ -137,49 +140,28 @@ def check_vocab(src: Source, state: dict[str, torch.Tensor], where: str) -> None
         )
 
 
-def _layer_shapes(prefix: str, d: dict[str, int]) -> Shapes:
-    H, I_, q, kv = d["H"], d["I"], d["q"], d["kv"]
-    return {
-        prefix + "input_layernorm.weight": (H,),
-        prefix + "hidden_norm.weight": (H,),
-        prefix + "post_attention_layernorm.weight": (H,),
-        prefix + "self_attn.q_proj.weight": (q, 2 * H),
-        prefix + "self_attn.k_proj.weight": (kv, 2 * H),
-        prefix + "self_attn.v_proj.weight": (kv, 2 * H),
-        prefix + "self_attn.o_proj.weight": (H, q),
-        prefix + "mlp.gate_proj.weight": (I_, H),
-        prefix + "mlp.up_proj.weight": (I_, H),
-        prefix + "mlp.down_proj.weight": (H, I_),
-    }
+SPEC_KEYS = KeyMap(rename=(("midlayer.", "layers.0."),), drop=("rotary.",))
+"""speculators names the one draft layer ``layers.0.*`` and keeps the frozen embedding."""
+SGL_KEYS = KeyMap(drop=("rotary.", "embed_tokens."))
+"""SGLang (SpecForge) stores our own names, without the embedding (it takes the target's)."""
+
+LAYER: ShapeTable = {**LLAMA_LAYER, "input_layernorm.weight": ("H",), "hidden_norm.weight": ("H",)}
+HEAD: ShapeTable = {"fc.weight": ("H", "kH"), "norm.weight": ("H",), "lm_head.weight": ("vd", "H")}
+INPUT_NORM: ShapeTable = {"input_norm.weight": ("kH",)}
+VOCAB_MAPS: ShapeTable = {"d2t": ("vd",), "t2d": ("V",)}
+EMBED: ShapeTable = {"embed_tokens.weight": ("V", "H")}
+"""The head's tensors in the module's names (each format renames them through its :class:`KeyMap`)."""
 
 
-def _required(src: Source, prefix: str, embed: bool, vocab_maps: bool) -> dict[str, Shapes]:
+def _required(src: Source, keys: KeyMap, vocab_maps: bool) -> dict[str, Shapes]:
     d = target_dims(src.target_config)
-    H, V = d["H"], d["V"]
-    vd = _head(src).draft_vocab_size
-    req: Shapes = {"fc.weight": (H, len(_layer_ids(src)) * H), "norm.weight": (H,), "lm_head.weight": (vd, H)}
-    if _head(src).norms["norm_before_fc"]:
-        req["input_norm.weight"] = (len(_layer_ids(src)) * H,)
-    req.update(_layer_shapes(prefix, d))
-    if vocab_maps:
-        req.update({"d2t": (vd,), "t2d": (V,)})
-    if embed:
-        req["embed_tokens.weight"] = (V, H)
-    return {WEIGHTS: req}
-
-
-def _state(src: Source, prefix: str, embed: bool, vocab_maps: bool) -> dict[str, torch.Tensor]:
-    head = _head(src)
-    out: dict[str, torch.Tensor] = {}
-    for k, v in head.state_dict().items():
-        if k.startswith("rotary."):
-            continue
-        if k.startswith("embed_tokens.") and not embed:
-            continue
-        if k in ("d2t", "t2d") and not vocab_maps:
-            continue
-        out[prefix + k[len("midlayer.") :] if k.startswith("midlayer.") else k] = v
-    return contiguous(out)
+    dims = {**d, "A": 2 * d["H"], "kH": len(_layer_ids(src)) * d["H"], "vd": _head(src).draft_vocab_size}
+    tables = [HEAD, EMBED]
+    tables += [INPUT_NORM] if _head(src).norms["norm_before_fc"] else []
+    tables += [VOCAB_MAPS] if vocab_maps else []
+    req = {k: v for t in tables for k, v in shapes(t, dims).items()}
+    req.update(shapes(LAYER, dims, "midlayer."))
+    return {WEIGHTS: keys.to_file(req)}
 
 
 def _drafter_meta(src: Source, fmt: str) -> dict[str, Any]:
@@ -193,11 +175,15 @@ def _drafter_meta(src: Source, fmt: str) -> dict[str, Any]:
 
 
 def spec_required(src: Source) -> dict[str, Shapes]:
-    return _required(src, "layers.0.", embed=True, vocab_maps=not _full_vocab(src))
+    return _required(src, SPEC_KEYS, vocab_maps=not _full_vocab(src))
 
 
 def spec_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
-    return {WEIGHTS: _state(src, "layers.0.", embed=True, vocab_maps=not _full_vocab(src))}
+    weights = SPECULATORS.mapped_tensors(src)
+    if _full_vocab(src):  # as speculators: no d2t/t2d for the full vocabulary (vLLM refuses a d2t then)
+        for k in ("d2t", "t2d"):
+            weights[WEIGHTS].pop(k, None)
+    return weights
 
 
 def _layer_config(tcfg: Any) -> dict[str, Any]:
@@ -276,10 +262,12 @@ def spec_config(src: Source) -> dict[str, Any]:
     return conf
 
 
-def spec_write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+def spec_check(src: Source, weights: dict[str, torch.Tensor], where: str) -> None:
     if not _full_vocab(src):
-        check_vocab(src, weights[WEIGHTS], f"eagle3 -> speculators export {out}")
-    save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
+        check_vocab(src, weights, where)
+
+
+def spec_write_config(src: Source, out: Path) -> None:
     atomic_write_json(out / "config.json", spec_config(src))
     (out / "config.py").write_text(SPECULATORS_CONFIG_PY, encoding="utf-8")
 
@@ -297,12 +285,12 @@ def _sgl_check_norms(src: Source) -> None:
 
 
 def sgl_required(src: Source) -> dict[str, Shapes]:
-    return _required(src, "midlayer.", embed=False, vocab_maps=True)
+    return _required(src, SGL_KEYS, vocab_maps=True)
 
 
 def sgl_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
     _sgl_check_norms(src)
-    return {WEIGHTS: _state(src, "midlayer.", embed=False, vocab_maps=True)}
+    return SGLANG.mapped_tensors(src)
 
 
 def sgl_config(src: Source) -> dict[str, Any]:
@@ -328,9 +316,7 @@ def sgl_config(src: Source) -> dict[str, Any]:
     return conf
 
 
-def sgl_write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
-    check_vocab(src, weights[WEIGHTS], f"eagle3 -> sglang_eagle3 export {out}")
-    save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
+def sgl_write_config(src: Source, out: Path) -> None:
     atomic_write_json(out / "config.json", sgl_config(src))
 
 
@@ -356,12 +342,8 @@ def _build(
     if stored is not None and not torch.equal(stored, embed.to(stored.dtype)):  # bf16 exports: the target's, rounded
         raise ValueError(f"EAGLE-3 export {where}: embed_tokens.weight is not the target's input embedding")
     state["embed_tokens.weight"] = embed
-    head = Eagle3Head(tcfg, len(layer_ids), vd, norms)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("rotary.")]
-    if missing or unexpected:
-        raise ValueError(f"EAGLE-3 export {where}: missing {missing}, unexpected {unexpected}")
-    head.layer_ids = list(layer_ids)
+    head = Eagle3Head(tcfg, layer_ids, vd, norms)
+    load_state(head, state, f"EAGLE-3 export {where}")
     return head.to(next(target.model.parameters()).dtype).eval()
 
 
@@ -373,7 +355,7 @@ def _check_hash(meta: dict[str, Any], state: dict[str, torch.Tensor], where: Pat
 
 def spec_load(directory: Path, target: Any) -> Eagle3Head:
     """Import a speculators-format EAGLE-3 (ours or speculators') as an :class:`Eagle3Head`."""
-    meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    meta = read_config(directory)
     if meta.get("speculators_model_type") != "eagle3":
         raise ValueError(
             f"{directory} is not a speculators EAGLE-3 (speculators_model_type={meta.get('speculators_model_type')})"
@@ -392,18 +374,17 @@ def spec_load(directory: Path, target: Any) -> Eagle3Head:
     norms = norm_flags(meta)
     n = int(tcfg.num_hidden_layers)
     ids = [int(i) for i in (meta.get("eagle_aux_hidden_state_layer_ids") or default_layer_ids(n))]
-    raw = load_file(str(directory / WEIGHTS))
-    rows = int(raw["lm_head.weight"].shape[0])
+    state = read_weights(directory, WEIGHTS, SPEC_KEYS)
+    rows = int(state["lm_head.weight"].shape[0])
     if int(meta.get("draft_vocab_size", -1)) != rows:
         raise ValueError(f"{directory}: draft_vocab_size={meta.get('draft_vocab_size')} but lm_head has {rows} rows")
-    _check_hash(meta, raw, directory)
-    state = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in raw.items()}
+    _check_hash(meta, state, directory)
     return _build(target, ids, state, directory, norms)
 
 
 def sgl_load(directory: Path, target: Any) -> Eagle3Head:
     """Import an SGLang-format EAGLE-3 (ours or SpecForge's) as an :class:`Eagle3Head`."""
-    meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    meta = read_config(directory)
     if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ValueError(f"{directory}: architectures {meta.get('architectures')} is not LlamaForCausalLMEagle3")
     tcfg = target.model.config
@@ -415,7 +396,7 @@ def sgl_load(directory: Path, target: Any) -> Eagle3Head:
     recorded = (meta.get("draftsmith") or {}).get("layer_ids")
     if recorded is not None and list(recorded) != ids:
         raise ValueError(f"{directory}: eagle_config layer ids give HF layers {ids}, draftsmith recorded {recorded}")
-    state = load_file(str(directory / WEIGHTS))
+    state = read_weights(directory, WEIGHTS, SGL_KEYS)
     rows = int(state["lm_head.weight"].shape[0])
     if int(meta.get("draft_vocab_size", -1)) != rows:
         raise ValueError(f"{directory}: draft_vocab_size={meta.get('draft_vocab_size')} but lm_head has {rows} rows")
@@ -432,8 +413,7 @@ def probe(head: torch.nn.Module, target: Any) -> torch.Tensor:
 
     assert isinstance(head, Eagle3Head)
     model = target.model
-    n = int(model.config.num_hidden_layers)
-    ids_layers = list(getattr(head, "layer_ids", None) or default_layer_ids(n))
+    ids_layers = head.layer_ids
     ids = probe_ids(model.config.vocab_size).to(target.device)
     hs = model(input_ids=ids, output_hidden_states=True).hidden_states
     feats = torch.cat([hs[i] for i in ids_layers], dim=-1)[:, :-2]
@@ -445,36 +425,32 @@ def probe(head: torch.nn.Module, target: Any) -> torch.Tensor:
     return torch.cat([logits.flatten(), head.target_ids().float().to(logits.device)])
 
 
-def _src_layer_ids_probe(fmt_tensors: Any) -> Any:
-    """Wrap ``tensors`` so the trained module carries its layer ids for :func:`probe` (imports set them too)."""
-
-    def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
-        _head(src).layer_ids = _layer_ids(src)
-        return fmt_tensors(src)
-
-    return tensors
-
-
-register_format(
+SPECULATORS = register_format(
     Format(
         family="eagle3",
         name="speculators",
         doc="EAGLE-3 in the speculators/vLLM format (Eagle3DraftModel, speculators_config, layers.0.*, d2t, t2d)",
-        tensors=_src_layer_ids_probe(spec_tensors),
+        weights=WEIGHTS,
+        keys=SPEC_KEYS,
+        tensors=spec_tensors,
         required=spec_required,
-        write=spec_write,
+        check=spec_check,
+        write_config=spec_write_config,
         load=spec_load,
         probe=probe,
     )
 )
-register_format(
+SGLANG = register_format(
     Format(
         family="eagle3",
         name="sglang_eagle3",
         doc="EAGLE-3 for SGLang (LlamaForCausalLMEagle3, midlayer.*, d2t, t2d)",
-        tensors=_src_layer_ids_probe(sgl_tensors),
+        weights=WEIGHTS,
+        keys=SGL_KEYS,
+        tensors=sgl_tensors,
         required=sgl_required,
-        write=sgl_write,
+        check=check_vocab,
+        write_config=sgl_write_config,
         load=sgl_load,
         probe=probe,
     )

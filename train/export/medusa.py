@@ -10,44 +10,49 @@ The project's module names the same tensors ``heads.{i}.{j}.linear.*`` (and ``he
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from data.atomic import atomic_write_json
 from train.drafters.registry import get
-from train.export.core import ExportError, Format, Shapes, Source, contiguous, register_format
-from train.export.eagle import probe_ids
+from train.export.core import (
+    ExportError,
+    Format,
+    KeyMap,
+    Shapes,
+    ShapeTable,
+    Source,
+    probe_ids,
+    read_config,
+    read_weights,
+    register_format,
+    shapes,
+)
 
 WEIGHTS = "medusa_lm_head.safetensors"
 PREFIX = "heads."
+KEYS = KeyMap(rename=((PREFIX, ""),), drop=("rank_hits", "rank_count"))
+"""The heads without our ``heads.`` prefix; the rank statistics go into config.json, not the weight file."""
+RESBLOCK: ShapeTable = {"linear.weight": ("H", "H"), "linear.bias": ("H",)}
+OWN_LM_HEAD: ShapeTable = {"weight": ("V", "H")}
 
 
 def required(src: Source) -> dict[str, Shapes]:
     c = src.drafter_cfg
-    H, V = src.target_config.hidden_size, src.target_config.vocab_size
+    dims = {"H": src.target_config.hidden_size, "V": src.target_config.vocab_size}
     req: Shapes = {}
     for i in range(c.num_heads):
         for j in range(c.num_layers):
-            req[f"{i}.{j}.linear.weight"] = (H, H)
-            req[f"{i}.{j}.linear.bias"] = (H,)
+            req.update(shapes(RESBLOCK, dims, f"{PREFIX}{i}.{j}."))
         if c.own_lm_head:
-            req[f"{i}.{c.num_layers}.weight"] = (V, H)
-    return {WEIGHTS: req}
+            req.update(shapes(OWN_LM_HEAD, dims, f"{PREFIX}{i}.{c.num_layers}."))
+    return {WEIGHTS: KEYS.to_file(req)}
 
 
-def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
-    state = src.module.state_dict()
-    heads = {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
-    return {WEIGHTS: contiguous(heads)}
-
-
-def write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+def write_config(src: Source, out: Path) -> None:
     c = src.drafter_cfg
-    save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
     tc = src.target_config
     conf = {
         "architectures": ["MedusaModel"],
@@ -69,14 +74,14 @@ def write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -
 def load(directory: Path, target: Any) -> torch.nn.Module:
     """Import a Medusa export as the project's medusa module (built by the family, heads loaded strictly)."""
 
-    meta = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    meta = read_config(directory)
     spec = get("medusa")
     saved = (meta.get("draftsmith") or {}).get("drafter") or {}
     cfg = spec.config_cls(**saved) if saved else spec.config_cls()
     cfg.num_heads, cfg.num_layers = int(meta["medusa_num_heads"]), int(meta["medusa_num_layers"])
     cfg.own_lm_head = str(meta.get("version", "2")) == "1"
     module = spec.build(cfg, target.model)
-    heads = {PREFIX + k: v for k, v in load_file(str(directory / WEIGHTS)).items()}
+    heads = read_weights(directory, WEIGHTS, KEYS)
     own = module.state_dict()
     missing = [k for k in own if k.startswith(PREFIX) and k not in heads]
     unexpected = [k for k in heads if k not in own]
@@ -107,9 +112,10 @@ register_format(
         family="medusa",
         name="medusa",
         doc="Medusa heads in the Medusa repository's layout (MedusaConfig + medusa_lm_head.safetensors)",
-        tensors=tensors,
+        weights=WEIGHTS,
+        keys=KEYS,
         required=required,
-        write=write,
+        write_config=write_config,
         load=load,
         probe=probe,
     )

@@ -17,8 +17,7 @@ from safetensors.torch import save_file
 
 from data.atomic import atomic_write_json
 from train.drafters.registry import get
-from train.export.core import Format, Shapes, Source, clean_config, contiguous, register_format
-from train.export.eagle import probe_ids
+from train.export.core import Format, KeyMap, Shapes, Source, clean_config, contiguous, probe_ids, register_format
 
 WEIGHTS = "model.safetensors"
 
@@ -80,6 +79,11 @@ def tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
 def write_hf_dir(model: Any, tokenizer: Any, out: Path, weights: dict[str, dict[str, torch.Tensor]], meta: Any) -> None:
     """Write a plain HF causal-LM directory: weights, config.json (+ ``draftsmith`` block), tokenizer files."""
     save_file(weights[WEIGHTS], str(out / WEIGHTS), metadata={"format": "pt"})
+    write_hf_config(model, tokenizer, out, meta)
+
+
+def write_hf_config(model: Any, tokenizer: Any, out: Path, meta: Any) -> None:
+    """The non-weight files of a plain HF causal-LM directory: config.json, generation config, tokenizer."""
     conf = clean_config(model.config, keep_version=True)
     conf["draftsmith"] = meta
     atomic_write_json(out / "config.json", conf)
@@ -89,8 +93,8 @@ def write_hf_dir(model: Any, tokenizer: Any, out: Path, weights: dict[str, dict[
     tokenizer.save_pretrained(out)
 
 
-def write(src: Source, out: Path, weights: dict[str, dict[str, torch.Tensor]]) -> None:
-    write_hf_dir(hf_model(src.module), src.target.tokenizer, out, weights, src.provenance("hf"))
+def write_config(src: Source, out: Path) -> None:
+    write_hf_config(hf_model(src.module), src.target.tokenizer, out, src.provenance("hf"))
 
 
 def load(directory: Path, target: Any) -> torch.nn.Module:
@@ -121,9 +125,11 @@ register_format(
         family="standalone",
         name="hf",
         doc="standalone draft model as a plain Hugging Face directory with the target's tokenizer",
+        weights=WEIGHTS,
+        keys=KeyMap(),
         tensors=tensors,
         required=required,
-        write=write,
+        write_config=write_config,
         load=load,
         probe=probe,
     )
