@@ -76,6 +76,8 @@ def engine_main(args: argparse.Namespace) -> None:
             after = _read_counters(llm)
             row["drafts"] = after["drafts"] - before["drafts"]
             row["accepted"] = after["accepted"] - before["accepted"]
+            prev = before["per_pos"] + [0] * len(after["per_pos"])
+            row["per_pos"] = [a - b for a, b in zip(after["per_pos"], prev, strict=False)]
         out["runs"][str(c)] = row
     Path(args.out).write_text(json.dumps(out), encoding="utf-8")
 
@@ -187,7 +189,56 @@ def summarise(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         cands = [r for r in rows if r["concurrency"] == int(c) and r["config"].startswith("drafter_")]
         if cands:
             best[c] = max(cands, key=lambda r: r["vs_plain"])["config"]
-    return {"rows": rows, "best_drafter_k_per_concurrency": best, "max_new_tokens": args.max_new_tokens}
+    models = {c: cost_model(raw, c) for c in [str(x) for x in args.concurrency]}
+    return {
+        "rows": rows,
+        "best_drafter_k_per_concurrency": best,
+        "cost_model": {c: m for c, m in models.items() if m is not None},
+        "max_new_tokens": args.max_new_tokens,
+    }
+
+
+def cost_model(raw: dict[str, Any], c: str) -> dict[str, Any] | None:
+    """The K the cost model recommends at concurrency ``c``, from this command's own measurements.
+
+    A speculative step costs ``a + b*K`` plain steps (``a``: the verification pass and the engine's
+    speculation overhead, ``b``: one drafted token, its draft forward plus its extra verification row), fitted by
+    least squares to each measured K's step cost ``mean acceptance length / (tokens/s ratio to plain)`` (one K:
+    ``a = 1``). A chain of k drafts emits ``E_k = 1 + sum_{i<=k} P(position i accepted)`` tokens per step, with the
+    per-position acceptance counted by vLLM in the run with the largest K (a chain's first k drafts do not depend
+    on K). Predicted ratio to plain: ``E_k / (a + b*k)`` (Leviathan et al., 2023, Thm. 3.8 with a measured cost);
+    the recommended K maximises it over k = 1..max K (plain decoding when no k beats 1.0)."""
+    runs = {
+        int(name[len("drafter_k") :]): r["runs"][c]
+        for name, r in raw.items()
+        if name.startswith("drafter_k") and r["runs"][c].get("drafts")
+    }
+    if not runs:
+        return None
+    plain = raw["plain"]["runs"][c]
+    base = plain["generated"] / plain["seconds"]
+    pts = [(k, (1 + x["accepted"] / x["drafts"]) / ((x["generated"] / x["seconds"]) / base)) for k, x in runs.items()]
+    if len(pts) == 1:
+        a = 1.0
+        b = (pts[0][1] - a) / pts[0][0]
+    else:
+        n = len(pts)
+        mk, mr = sum(k for k, _ in pts) / n, sum(r for _, r in pts) / n
+        b = sum((k - mk) * (r - mr) for k, r in pts) / max(1e-12, sum((k - mk) ** 2 for k, _ in pts))
+        a = mr - b * mk
+    kmax = max(runs)
+    x = runs[kmax]
+    rates = [v / x["drafts"] for v in (x.get("per_pos") or [])][:kmax]
+    if len(rates) < kmax:  # no per-position counters: a constant rate from the mean acceptance length
+        rates = [x["accepted"] / x["drafts"] / kmax] * kmax
+    pred = {k: (1 + sum(rates[:k])) / (a + b * k) for k in range(1, kmax + 1)}
+    k_best = max(pred, key=lambda k: pred[k])
+    return {
+        "step_cost_a": round(a, 4),
+        "step_cost_b": round(b, 4),
+        "predicted_vs_plain": {str(k): round(v, 3) for k, v in pred.items()},
+        "recommended_k": k_best if pred[k_best] > 1.0 else 0,
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -202,7 +253,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['identical_to_plain']} |"
         )
     best = ", ".join(f"c={c}: {k}" for c, k in report["best_drafter_k_per_concurrency"].items())
-    return "\n".join(lines) + f"\n\nBest drafter K per concurrency (measured): {best}\n"
+    text = "\n".join(lines) + f"\n\nBest drafter K per concurrency (measured): {best}\n"
+    for c, m in (report.get("cost_model") or {}).items():
+        pred = ", ".join(f"K={k} {v:.2f}x" for k, v in m["predicted_vs_plain"].items())
+        rec = f"K={m['recommended_k']}" if m["recommended_k"] else "plain (no K predicted above 1.0x)"
+        text += (
+            f"Cost model, c={c}: step = {m['step_cost_a']:.2f} + {m['step_cost_b']:.3f} K plain steps; predicted "
+            f"{pred}; recommends {rec}\n"
+        )
+    return text
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -158,3 +158,8 @@ def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, 
         assert (r["mean_acceptance_length"] is None) == (config == "plain")
     assert rows[("drafter_k2", 1)]["mean_acceptance_length"] >= 1.0
     assert "| 2 | drafter_k2 |" in (serve / "serve.md").read_text()
+    for c in ("1", "2"):  # the cost model's K from vLLM's own counters (per-position ones included)
+        assert report["cost_model"][c]["recommended_k"] in (0, 1, 2) and set(
+            report["cost_model"][c]["predicted_vs_plain"]
+        ) == {"1", "2"}
+    assert "Cost model, c=1" in (serve / "serve.md").read_text()
