@@ -80,8 +80,8 @@ def test_parquet_source(tmp_path: Path) -> None:
 def test_unknown_kind_and_missing_file_are_clear(tmp_path: Path) -> None:
     from data.config import ConfigError
 
-    with pytest.raises(ConfigError, match="valid: sharegpt, humaneval, jsonl"):
-        list(read_source("x", SourceConfig(kind="csv"), DataConfig(), SkipCounter()))
+    with pytest.raises(ConfigError, match="kind='csv' is not one of: sharegpt, humaneval, jsonl"):
+        list(read_source("x", SourceConfig(kind="csv"), DataConfig(), SkipCounter()))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="does not exist"):
         list(
             read_source(

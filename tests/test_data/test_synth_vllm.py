@@ -21,7 +21,7 @@ import pytest
 from data.config import ConfigError, TargetConfig
 from data.generate import continuous_generate
 from data.render import prompt_ids
-from data.synth import start_engine, validate_synth
+from data.synth import start_engine
 from data.target import resolve_target_path
 from data.vllm_engine import EngineError, VLLMEngine, find_engine_python
 from tests.conftest import REPO, compose
@@ -63,9 +63,15 @@ def test_greedy_plan_hash_ignores_the_engine_and_where_vllm_lives() -> None:
 
 
 def test_bad_engine_settings_are_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for bad, msg in (("synth.engine=vlm", "synth.engine='vlm'"), ("synth.vllm_dtype=fp8", "synth.vllm_dtype")):
-        with pytest.raises(ConfigError, match=msg):
-            validate_synth(compose([bad]).synth)
+    from data.config import SynthConfig
+    from train.config import check_overrides
+
+    for bad, msg in (("synth.engine=vlm", "synth.engine='vlm'"), ("synth.vllm_dtype=fp8", "synth.vllm_dtype='fp8'")):
+        with pytest.raises(ConfigError, match=msg):  # on the command line, before Hydra composes
+            check_overrides([bad], ())
+        key, value = bad.split("=")
+        with pytest.raises(ConfigError, match=msg):  # a config built in code
+            SynthConfig(**{key.split(".")[1]: value})
     with pytest.raises(EngineError, match="does not exist"):
         find_engine_python(str(tmp_path / "no-python"))
     # A Python that cannot import vllm (site-packages off), named explicitly: an error, not a silent fallback.
