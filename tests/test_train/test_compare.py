@@ -78,3 +78,44 @@ def test_a_wandb_run_is_read_through_the_stage_that_wrote_it(tmp_path: Path) -> 
         assert got["eval"]["eagle_chain_k5"]["all"]["tau"] == 1.50, entry
         assert got["sources"] == [str(run / "eval" / "metrics.json")]
     assert load_run(str(offline))["label"] == "a"
+
+
+def _budget_run(root: Path, name: str, tau: float, synth_s: float, features_s: float, train_s: float) -> Path:
+    """A run whose stages wrote manifests with their wall times (as stage synth, features and train do)."""
+    run = _eval_dir(root, name, tau, tau - 0.05, tau + 0.05)
+    for stage, body in (
+        ("synth", {"stage": "synth", "counts": {"conversations": 100}, "timings": {"stage_seconds": synth_s}}),
+        ("features", {"stage": "features", "tokens": 1000, "timings": {"seconds": features_s}}),
+        (
+            "train",
+            {
+                "stage": "train",
+                "config": {"train": {"features": "precomputed", "max_steps": 10}, "drafter": {"name": "eagle3"}},
+                "result": {"seconds": train_s, "world_size": 2, "steps": 10},
+            },
+        ),
+    ):
+        (run / stage).mkdir()
+        (run / stage / "manifest.json").write_text(json.dumps(body))
+    return run
+
+
+def test_compare_states_each_runs_machine_time_and_plots_tau_against_it(tmp_path: Path) -> None:
+    from train.compare import budget_hours, plot
+
+    small = load_run(str(_budget_run(tmp_path, "small", 1.5, 600.0, 300.0, 900.0)))
+    large = load_run(str(_budget_run(tmp_path, "large", 1.9, 1800.0, 900.0, 2700.0)))
+    assert small["budget_hours"] == (600 + 300 + 2 * 900) / 3600  # training's two processes count twice
+    assert large["budget_hours"] == (1800 + 900 + 2 * 2700) / 3600
+    table = markdown([small, large])
+    assert "| budget hours (synth + features + train) | 0.75 | 2.25 |" in table
+    assert "| synth seconds (stage) | 600 | 1800 |" in table and "| features seconds | 300 | 900 |" in table
+    # a drafter trained online did not use the features another run made; without a train manifest: no budget
+    online = _budget_run(tmp_path, "online", 1.6, 600.0, 300.0, 900.0)
+    manifest = json.loads((online / "train" / "manifest.json").read_text())
+    manifest["config"]["train"]["features"] = "online"
+    (online / "train" / "manifest.json").write_text(json.dumps(manifest))
+    assert load_run(str(online))["budget_hours"] == (600 + 2 * 900) / 3600
+    assert budget_hours({"train": {}, "synth": {"seconds": 5.0}}) is None
+    plot([small, large], tmp_path / "compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
