@@ -22,17 +22,25 @@ checkout. ``synth.engine=auto`` uses vLLM when one of these exists and the HF en
 
 This file is also the worker's program: it is run by path (``python data/vllm_engine.py --serve ...``), so the
 module imports nothing beyond the standard library at import time.
+
+The worker never outlives the stage: it leads its own process group (vLLM's EngineCore and its workers join it)
+and a watchdog thread stops that whole group once the process that started it is gone, however it ended (SIGTERM,
+SIGKILL, a crash). Without it, a killed stage left the engine generating its current batch, and vLLM's processes
+running on after it, competing with the rerun that resumes the stage. The client's ``close`` stops the group too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -131,8 +139,14 @@ class VLLMEngine:
         t0 = time.perf_counter()
         logger.info("synth: starting vLLM (%s, %s, eager=%s) with %s", model_dir, dtype, enforce_eager, python)
         try:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1
+            self.proc = subprocess.Popen(  # its own process group: see stop_group_with_parent
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
             )
         except OSError as e:
             raise EngineError(f"could not start the vLLM worker with {python}: {e}") from e
@@ -186,14 +200,19 @@ class VLLMEngine:
         return outs, float(msg["seconds"])
 
     def close(self) -> None:
+        """Let the worker exit (its stdin closes), then stop whatever is left of its process group (vLLM's engine
+        processes), also after an exception or Ctrl-C in the stage."""
         if self.proc.poll() is None:
             try:
                 if self.proc.stdin is not None:
                     self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # unless the group is gone already
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait()
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -210,7 +229,34 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
 
 
+def stop_group_with_parent(interval: float = 0.5) -> threading.Thread:
+    """Stop this process's whole process group as soon as its parent is gone (a daemon thread; also on SIGTERM).
+
+    Meant for a process that leads its group (started with ``start_new_session=True``): every process it starts,
+    such as vLLM's EngineCore and workers, shares the group and goes with it. A process that does not lead its
+    group stops only itself, never the group of whoever started it.
+    """
+    parent = os.getppid()
+    leader = os.getpgid(0) == os.getpid()
+
+    def stop(*_: object) -> None:
+        if leader:
+            os.killpg(os.getpid(), signal.SIGKILL)  # this process included
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    thread = threading.Thread(target=watch, name="stop-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def _serve(args: argparse.Namespace) -> None:
+    stop_group_with_parent()
     # The protocol owns the real stdout; everything else that prints (vLLM's logs, tqdm) goes to stderr.
     proto: IO[str] = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
