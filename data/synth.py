@@ -447,6 +447,7 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     )
     n_turns = sum(min(c.num_user_turns(), cfg.data.max_turns) for i in todo for c in chunks[i])
     engine = start_engine(cfg, target) if todo else None
+    finished = False
     try:
         with tqdm(
             total=n_turns if cfg.synth.regenerate else 0, unit="turn", desc="synth", dynamic_ncols=True, mininterval=2.0
@@ -461,9 +462,10 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
                     stats.engine_start_seconds = round(engine.start_seconds, 2)
                 atomic_write_json(stats_path(out, i), asdict(stats))  # before the chunk: a chunk implies its stats
                 write_rows(chunk_path(out, i), rows)
+        finished = True
     finally:
         if engine is not None:
-            engine.close()
+            engine.close(graceful=finished)  # after an error or Ctrl-C: stop the engine at once
     if any(not chunk_path(out, i).is_file() for i in range(len(chunks))):
         logger.info("synth shard(s) %s done; other shards still running (then: python -m train stage=merge)", shards)
         return None

@@ -199,10 +199,11 @@ class VLLMEngine:
             raise EngineError(f"the vLLM worker answered {len(outs)} outputs for {len(prompts)} prompts")
         return outs, float(msg["seconds"])
 
-    def close(self) -> None:
-        """Let the worker exit (its stdin closes), then stop whatever is left of its process group (vLLM's engine
-        processes), also after an exception or Ctrl-C in the stage."""
-        if self.proc.poll() is None:
+    def close(self, graceful: bool = True) -> None:
+        """Let the worker exit (its stdin closes; up to a minute, it may be generating), then stop whatever is left
+        of its process group (vLLM's engine processes). ``graceful=False`` (an exception or Ctrl-C in the stage: the
+        worker, in its own session, does not see the terminal's Ctrl-C) stops the group at once."""
+        if graceful and self.proc.poll() is None:
             try:
                 if self.proc.stdin is not None:
                     self.proc.stdin.close()
@@ -217,8 +218,8 @@ class VLLMEngine:
     def __enter__(self) -> VLLMEngine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(graceful=exc_type is None)
 
 
 # ------------------------------------------------------------------------------------------------ worker side

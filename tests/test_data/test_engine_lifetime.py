@@ -75,3 +75,25 @@ def test_the_engine_group_stops_on_sigterm_to_the_worker() -> None:
     finally:
         stage.kill()
         stage.wait()
+
+
+def test_close_after_an_error_stops_the_engine_group_at_once() -> None:
+    """What stage synth does on an exception or Ctrl-C: the worker (in its own session, so the terminal's Ctrl-C does
+    not reach it) may be mid-generation and would not read its closed stdin for minutes; close(graceful=False) stops
+    its whole group without waiting."""
+    from data.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # the real close() on a worker-shaped process, without starting vLLM
+    engine.proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER.format(repo=str(REPO))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert engine.proc.stdout is not None
+    child_pid = int(engine.proc.stdout.readline())
+    t0 = time.monotonic()
+    engine.close(graceful=False)
+    assert time.monotonic() - t0 < 10  # a graceful close would wait up to 60 s for this busy worker
+    assert _wait_gone([engine.proc.pid, child_pid], timeout=5) == []
