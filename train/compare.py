@@ -154,7 +154,7 @@ def load_run(entry: str) -> dict[str, Any]:
         run["sources"].append(str(dirs["synth"] / "manifest.json"))
     features = _read_json(dirs["features"] / "manifest.json") if "features" in dirs else None
     if features:
-        run["features"] = {"seconds": (features.get("timings") or {}).get("seconds"), "tokens": features.get("tokens")}
+        run["features"] = {"seconds": (features.get("timings") or {}).get("seconds")}
         run["sources"].append(str(dirs["features"] / "manifest.json"))
     run["budget_hours"] = budget_hours(run)
     if not run["sources"]:
@@ -269,6 +269,14 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     return "\n".join([head, sep, *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows(runs))])
 
 
+def _yerr(taus: list[float], cis: list[tuple[float, float] | None]) -> list[list[float]]:
+    """matplotlib's asymmetric error bars (below, above) from 95% intervals; none where an interval is missing."""
+    return [
+        [t - c[0] if c else 0 for t, c in zip(taus, cis, strict=True)],
+        [c[1] - t if c else 0 for t, c in zip(taus, cis, strict=True)],
+    ]
+
+
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -286,10 +294,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         cells = [r["eval"].get(m, {}).get(s, {}) for m, s in keys]
         taus = [e.get("tau") or 0 for e in cells]
         cis = [_ci(e) for e in cells]
-        err = [
-            [t - c[0] if c else 0 for t, c in zip(taus, cis, strict=True)],
-            [c[1] - t if c else 0 for t, c in zip(taus, cis, strict=True)],
-        ]
+        err = _yerr(taus, cis)
         axes[0].bar([k + i * width for k in range(len(keys))], taus, width, label=r["label"], yerr=err, capsize=2)
     axes[0].set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], [f"{m}\n{s}" for m, s in keys], fontsize=7)
     axes[0].set_ylabel("held-out tau (tokens per target forward)")
@@ -314,11 +319,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
             xs, es = [p[0] for p in pts], [p[1] for p in pts]
             ys = [e.get("tau") or 0 for e in es]
             cis = [_ci(e) for e in es]
-            err = [
-                [y - c[0] if c else 0 for y, c in zip(ys, cis, strict=True)],
-                [c[1] - y if c else 0 for y, c in zip(ys, cis, strict=True)],
-            ]
-            axes[2].errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=m, color=f"C{j}")
+            axes[2].errorbar(xs, ys, yerr=_yerr(ys, cis), marker="o", capsize=2, label=m, color=f"C{j}")
         axes[2].set_xlabel("machine-hours (synth + features + train)")
         axes[2].set_ylabel("held-out tau, all sources")
         axes[2].legend(fontsize=7)
