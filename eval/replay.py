@@ -37,7 +37,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,9 @@ from data.atomic import atomic_write_text
 from data.generate import continuous_generate, model_forward
 from eval.lanes import LaneBatcher, batchable_linears, batched_linears
 from eval.metrics import DecodeStats
-from eval.proposers.base import Proposer, TargetOutput
+from eval.proposers.base import Proposer, Replayer, TargetOutput
 from eval.sampling import children_lists, greedy_walk, logits_to_probs
+from eval.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,8 @@ class TargetTrace:
         continuation: the target's greedy continuation (``N`` tokens, eos not a stop).
         hidden: ``"last"`` and the requested intermediate layers, ``[T + N - 1, H]`` each (None when no
             proposer needs hidden states).
-        prompt_logits: ``[T, V]`` target logits of the prompt positions (what the decoder's prefill gives).
+        prompt_logits: ``[1, V]`` target logits of the last prompt position (the decoder's prefill gives every
+            prompt row; no proposer reads the others).
         seconds: wall time of the forward.
     """
 
@@ -231,8 +233,10 @@ def trace_target(
     device = next(model.parameters()).device
     T = len(prompt)
     seq = torch.tensor([*prompt, *continuation[:-1]], dtype=torch.long, device=device)
-    # no KV cache (nothing follows this forward) and logits of the prompt rows only (the continuation is known)
-    keep = torch.arange(T, device=device)
+    # no KV cache (nothing follows this forward) and the logits of the last prompt row only: the continuation is
+    # known, and no proposer reads the prefill's other rows (the vocabulary projection of every prompt row was
+    # ~15% of a trace's arithmetic)
+    keep = torch.tensor([T - 1], device=device)
     out = model_forward(model, seq[None], None, output_hidden_states=need_hidden, logits_to_keep=keep)
     prompt_logits = out.logits[0].float()
     hidden: dict[int | str, torch.Tensor] | None = None
@@ -259,6 +263,32 @@ def _rows(
     return d
 
 
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
+    return {eos_token_id} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id or []}
+
+
+def _verify(
+    stats: DecodeStats, tree: DraftTree, cont: Sequence[int], n: int, max_new_tokens: int, eos: set[int]
+) -> tuple[int, int, bool]:
+    """One replayed verification step after ``n`` emitted tokens: the decoder's truncation of the draft to the
+    budget, its greedy walk against the continuation, its counters. Returns (tokens emitted, drafts accepted,
+    finished)."""
+    tree = tree.truncate_depth(max_new_tokens - n - 1)
+    tokens = tree.tokens.reshape(-1).tolist()
+    accepted, _ = greedy_walk(tokens, children_lists(tree.parents, len(tokens)), lambda _n, d: cont[n + d])
+    stats.target_forwards += 1
+    last = accepted[-1] if accepted else -1
+    has_child = any(p == last for p in tree.parents)
+    stats.record_step(len(accepted), len(accepted) + int(has_child), len(tree))
+    a = len(accepted)
+    emitted = 0
+    for t in cont[n : n + a + 1]:  # accepted drafts equal the continuation; then the bonus token
+        emitted += 1
+        if t in eos or n + emitted >= max_new_tokens:
+            return emitted, a, True
+    return emitted, a, False
+
+
 @torch.inference_mode()
 def replay(
     proposer: Proposer,
@@ -271,7 +301,7 @@ def replay(
     Returns what :meth:`SpeculativeDecoder.generate` would return at temperature 0: the emitted tokens and the
     counters (tau, alpha_i, draft tokens, target forwards; the times hold drafting only).
     """
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id or []}
+    eos = _eos_set(eos_token_id)
     cont = trace.continuation
     if max_new_tokens > len(cont):
         raise ValueError(f"the trace holds {len(cont)} continuation tokens, {max_new_tokens} requested")
@@ -299,24 +329,10 @@ def replay(
     while not finished:
         L = T + n  # context length; the root is seq[L - 1]
         context = seq[:L]
-        remaining = max_new_tokens - n
         t0 = time.perf_counter()
         tree = proposer.propose(context)
         stats.draft_time_s += time.perf_counter() - t0
-        tree = tree.truncate_depth(remaining - 1)
-        tokens = tree.tokens.reshape(-1).tolist()
-        accepted, _ = greedy_walk(tokens, children_lists(tree.parents, len(tokens)), lambda _n, d, n=n: cont[n + d])
-        stats.target_forwards += 1
-        last = accepted[-1] if accepted else -1
-        has_child = any(p == last for p in tree.parents)
-        stats.record_step(len(accepted), len(accepted) + int(has_child), len(tree))
-        a = len(accepted)
-        emitted = 0
-        for t in cont[n : n + a + 1]:  # accepted drafts equal the continuation; then the bonus token
-            emitted += 1
-            if t in eos or n + emitted >= max_new_tokens:
-                finished = True
-                break
+        emitted, a, finished = _verify(stats, tree, cont, n, max_new_tokens, eos)
         n += emitted
         if not finished:
             hidden = _rows(trace.hidden, layers, slice(L - 1, L + a)) if need and trace.hidden is not None else None
@@ -425,6 +441,91 @@ LANE_MIN_WEIGHTS = 0
 """Linear layers with fewer weights than this run in their lane directly instead of through the batcher."""
 
 
+@dataclass
+class _Walk:
+    """One prompt's replayed trajectory inside a :class:`_SteppedReplay` slot."""
+
+    i: int
+    trace: TargetTrace
+    T: int
+    n: int
+    stats: DecodeStats
+
+
+class _SteppedReplay:
+    """Greedy replay of many prompts through a proposer's :class:`~eval.proposers.base.Replayer`.
+
+    Up to ``slots`` prompts are walked side by side: every round, one batched :meth:`Replayer.propose` drafts for
+    all of them, and each prompt then takes its own verification step (:func:`_verify`, the same as
+    :func:`replay`). A prompt that finishes frees its slot for the next one. A prompt's ``draft_time_s`` is its
+    admission (the head over its rows) plus an equal share of every round it took part in.
+    """
+
+    def __init__(
+        self, replayer: Replayer, slots: int, max_new_tokens: int, eos: set[int], sink: Any, need_hidden: bool
+    ) -> None:
+        self.r = replayer
+        self.free = list(range(slots - 1, -1, -1))
+        self.active: dict[int, _Walk] = {}
+        self.max_new = max_new_tokens
+        self.eos = eos
+        self.sink = sink  # sink(i, tokens, stats)
+        self.need_hidden = need_hidden
+        self.rounds = 0
+
+    @property
+    def full(self) -> bool:
+        return not self.free
+
+    def admit(self, i: int, trace: TargetTrace) -> None:
+        cont = trace.continuation
+        if self.max_new > len(cont):
+            raise ValueError(f"the trace holds {len(cont)} continuation tokens, {self.max_new} requested")
+        stats = DecodeStats(n_sequences=1)
+        if self.max_new <= 0:
+            self.sink(i, [], stats)
+            return
+        stats.target_forwards += 1
+        stats.prefill_forwards += 1
+        if cont[0] in self.eos or self.max_new <= 1:
+            stats.new_tokens = 1
+            self.sink(i, cont[:1], stats)
+            return
+        if self.need_hidden and trace.hidden is None:
+            raise ValueError("the replayed proposer needs target hidden states but the trace has none")
+        slot = self.free.pop()
+        t0 = time.perf_counter()
+        seq = torch.cat([trace.prompt, torch.tensor(cont, dtype=trace.prompt.dtype, device=trace.prompt.device)])
+        self.r.admit(slot, seq, trace.hidden or {})
+        stats.draft_time_s += time.perf_counter() - t0
+        self.active[slot] = _Walk(i, trace, int(trace.prompt.numel()), 1, stats)
+
+    def round(self) -> None:
+        if not self.active:
+            return
+        items = [(slot, w.T + w.n) for slot, w in self.active.items()]
+        t0 = time.perf_counter()
+        trees = self.r.propose(items)
+        share = (time.perf_counter() - t0) / len(items)
+        self.rounds += 1
+        for (slot, _), tree in zip(items, trees, strict=True):
+            w = self.active[slot]
+            w.stats.draft_time_s += share
+            emitted, _, finished = _verify(w.stats, tree, w.trace.continuation, w.n, self.max_new, self.eos)
+            w.n += emitted
+            if finished:
+                w.stats.new_tokens = w.n
+                w.stats.total_time_s = w.stats.draft_time_s
+                self.sink(w.i, w.trace.continuation[: w.n], w.stats)
+                del self.active[slot]
+                self.r.release(slot)
+                self.free.append(slot)
+
+    def drain(self) -> None:
+        while self.active:
+            self.round()
+
+
 def replay_many(
     target_model: torch.nn.Module,
     proposers: dict[str, Proposer],
@@ -438,17 +539,38 @@ def replay_many(
     """Replay every proposer on every prompt, one target trace per prompt shared by all proposers.
 
     ``prompts`` are :class:`eval.heldout.Prompt` (source, id, input_ids). With ``lanes > 1`` up to that many prompts
-    are replayed at once by proposers with linear layers, their products batched across prompts
-    (:mod:`eval.lanes`); the traces are made in this thread meanwhile, and proposers without linear layers (prompt
-    lookup) run here too. Returns per proposer name: the per-prompt stats grouped by source (in prompt order), the
-    outputs keyed ``"source:id"``, and the total trace seconds. With lanes, a prompt's ``draft_time_s`` is the
-    time its lane took, waiting for the other lanes included.
+    are replayed at once: by a proposer's batched :meth:`~eval.proposers.base.Proposer.replayer` where it has one
+    (the feature heads: one head call per draft position for all prompts, :class:`_SteppedReplay`), else, for
+    proposers with linear layers, in lane threads whose products are batched across prompts (:mod:`eval.lanes`).
+    The traces are made in this thread, and proposers without linear layers (prompt lookup) run here too. Returns
+    per proposer name: the per-prompt stats grouped by source (in prompt order), the outputs keyed
+    ``"source:id"``, and the total trace seconds. With lane threads, a prompt's ``draft_time_s`` is the time its
+    lane took, waiting for the other lanes included.
     """
 
     need, layers = union_hidden_layers(list(proposers.values()))
-    linears = {name: batchable_linears(p, LANE_MIN_WEIGHTS) for name, p in proposers.items()} if lanes > 1 else {}
-    laned = [name for name in proposers if linears.get(name)]
     per_prompt: list[dict[str, tuple[list[int], DecodeStats]]] = [{} for _ in prompts]
+    eos = _eos_set(eos_token_id)
+    stepped: dict[str, _SteppedReplay] = {}
+    if lanes > 1 and prompts:
+        max_len = max(len(p.input_ids) for p in prompts) + max_new_tokens
+        for name, prop in proposers.items():
+            r = prop.replayer(min(lanes, len(prompts)), max_len)
+            if r is not None:
+
+                def sink(i: int, toks: list[int], st: DecodeStats, name: str = name) -> None:
+                    per_prompt[i][name] = (toks, st)
+
+                stepped[name] = _SteppedReplay(
+                    r, min(lanes, len(prompts)), max_new_tokens, eos, sink, prop.needs_hidden_states
+                )
+    linears = (
+        {name: batchable_linears(p, LANE_MIN_WEIGHTS) for name, p in proposers.items() if name not in stepped}
+        if lanes > 1
+        else {}
+    )
+    laned = [name for name in proposers if linears.get(name)]
+    others = [name for name in proposers if name not in laned and name not in stepped]
     trace_s = 0.0
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", mininterval=5.0)
 
@@ -456,18 +578,34 @@ def replay_many(
         for name in names:
             per_prompt[i][name] = replay(proposers[name], trace, max_new_tokens, eos_token_id)
 
-    if not laned:
+    def step_in(i: int, trace: TargetTrace) -> None:
+        for run in stepped.values():
+            while run.full:
+                run.round()
+            run.admit(i, trace)
+
+    def traces() -> Iterator[tuple[int, TargetTrace]]:
+        nonlocal trace_s
         for i, (p, cont) in enumerate(zip(prompts, continuations, strict=True)):
             trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
             trace_s += trace.seconds
-            direct(i, trace, list(proposers))
-            bar.update(1)
+            yield i, trace
+
+    def complete() -> int:
+        return sum(len(r) == len(proposers) for r in per_prompt)
+
+    if not laned:
+        for i, trace in traces():
+            direct(i, trace, others)
+            step_in(i, trace)
+            bar.update(complete() - bar.n)
+        for run in stepped.values():
+            run.drain()
     else:
         n_lanes = min(lanes, len(prompts))
         batcher = LaneBatcher()
         work: queue.Queue[tuple[int, TargetTrace] | None] = queue.Queue(maxsize=n_lanes)
         errors: list[BaseException] = []
-        done = threading.Semaphore(0)
 
         def lane_main() -> None:
             forks = {name: proposers[name].fork() for name in laned}
@@ -483,31 +621,25 @@ def replay_many(
                             per_prompt[i][name] = replay(prop, trace, max_new_tokens, eos_token_id)
                     except BaseException as exc:  # reported by the main thread
                         errors.append(exc)
-                    done.release()
 
-        others = [name for name in proposers if name not in laned]
         all_linears = [m for name in laned for m in linears[name]]
         with batched_linears(all_linears):
             threads = [threading.Thread(target=lane_main, name=f"replay-lane-{j}", daemon=True) for j in range(n_lanes)]
             for t in threads:
                 t.start()
-            queued = finished = 0
             try:
-                for i, (p, cont) in enumerate(zip(prompts, continuations, strict=True)):
+                for i, trace in traces():
                     if errors:
                         break
-                    trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
-                    trace_s += trace.seconds
                     direct(i, trace, others)
+                    step_in(i, trace)
                     work.put((i, trace))
-                    queued += 1
-                    while done.acquire(blocking=False):
-                        finished += 1
-                        bar.update(1)
-                while finished < queued and not errors:  # the lanes' last prompts: keep the bar moving
-                    if done.acquire(timeout=1.0):
-                        finished += 1
-                        bar.update(1)
+                    bar.update(complete() - bar.n)
+                for run in stepped.values():
+                    run.drain()
+                while complete() < len(prompts) and not errors:  # the lanes' last prompts: keep the bar moving
+                    time.sleep(0.5)
+                    bar.update(complete() - bar.n)
             finally:
                 for _ in threads:
                     work.put(None)
@@ -516,6 +648,9 @@ def replay_many(
         if errors:
             raise errors[0]
         logger.debug("replay lanes: %d rounds, %d products, %d rows", batcher.rounds, batcher.products, batcher.rows)
+    for name, run in stepped.items():
+        logger.debug("replay %s: %d batched drafting rounds", name, run.rounds)
+    bar.update(len(prompts) - bar.n)
     bar.close()
     stats: dict[str, dict[str, list[DecodeStats]]] = {name: {} for name in proposers}
     outputs: dict[str, dict[str, list[int]]] = {name: {} for name in proposers}

@@ -17,7 +17,7 @@ References
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,9 @@ __all__ = [
     "ExpandFn",
     "chain",
     "dynamic_tree",
+    "dynamic_tree_steps",
     "empty_tree",
+    "rank_rows",
     "static_tree",
     "static_tree_paths_to_parents",
     "tree_attention_mask",
@@ -245,26 +247,34 @@ def _stable_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return vals[:k], cand[order[:k]]
 
 
-def _stable_topk_rows(values: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """:func:`_stable_topk` of every row of a 2-D tensor (same result), with one ``topk`` for all rows.
+def _stable_topk_rows(
+    values: torch.Tensor, k: int, clamp_at_zero: bool = False
+) -> tuple[list[list[float]], list[list[int]]]:
+    """:func:`_stable_topk` of every row of a 2-D tensor (same result), with one ``topk`` for all rows; with
+    ``clamp_at_zero``, of the rows ``clamp_max(0)``-ed (without clamping the whole tensor).
 
-    Rows whose k-th largest value is tied with a value outside the top k (rare with float log-probs) take the
-    one-row path; for the others the top k are exactly the entries >= the k-th value, ordered by value, then index.
+    A row's top k are exact when its (k+1)-th largest value is below its k-th (no tie across the cut; float
+    log-probs rarely tie): they are then ordered by value, then index. Other rows, and with ``clamp_at_zero`` rows
+    holding a positive value (which the clamp would tie with others at 0), take the one-row path.
     """
-    k = min(k, values.shape[-1])
+    n, V = values.shape
+    k = min(k, V)
     if k <= 0:
-        return [[] for _ in range(values.shape[0])], [[] for _ in range(values.shape[0])]
-    top_v, top_i = values.topk(k, dim=-1)
-    exact = (values >= top_v[:, -1:]).sum(-1) == k
+        return [[] for _ in range(n)], [[] for _ in range(n)]
+    kk = min(k + 1, V)
+    top_v, top_i = values.topk(kk, dim=-1)
+    exact = top_v[:, k] < top_v[:, k - 1] if kk > k else torch.ones(n, dtype=torch.bool)
+    if clamp_at_zero:
+        exact &= top_v[:, 0] <= 0
     out_v: list[list[float]] = []
     out_i: list[list[int]] = []
-    for r, (tv, ti, ok) in enumerate(zip(top_v.tolist(), top_i.tolist(), exact.tolist(), strict=True)):
+    for r, (tv, ti, ok) in enumerate(zip(top_v[:, :k].tolist(), top_i[:, :k].tolist(), exact.tolist(), strict=True)):
         if ok:
             pairs = sorted(zip(tv, ti, strict=True), key=lambda p: (-p[0], p[1]))
             out_v.append([v for v, _ in pairs])
             out_i.append([i for _, i in pairs])
         else:
-            v, i = _stable_topk(values[r], k)
+            v, i = _stable_topk(values[r].clamp_max(0.0) if clamp_at_zero else values[r], k)
             out_v.append(v.tolist())
             out_i.append(i.tolist())
     return out_v, out_i
@@ -343,17 +353,49 @@ def dynamic_tree(
     Returns:
         A deterministic :class:`DraftTree` (``draft_probs=None``) with cumulative ``scores``.
     """
+    steps = dynamic_tree_steps(root_logprobs, depth, top_k, total_tokens)
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(expand_fn(*request))
+    except StopIteration as done:
+        return done.value
+
+
+TreeRequest = tuple[torch.Tensor, list[int], list[int]]
+"""What :func:`dynamic_tree_steps` yields: ``expand_fn``'s arguments ``(tokens, parents, expand)``."""
+
+
+Ranked = tuple[list[list[float]], list[list[int]]]
+"""Per row, the ``k`` largest log-probs and their token ids, largest first, ties by lower id (:func:`rank_rows`)."""
+
+
+def rank_rows(logprobs: torch.Tensor, k: int) -> Ranked:
+    """The ranking :func:`dynamic_tree_steps` makes of log-prob rows ``[n, V]`` (clamped at 0), for many rows at
+    once: a caller growing many trees side by side ranks all their rows in one call and sends each tree its share."""
+    return _stable_topk_rows(logprobs.detach().float().cpu().reshape(-1, logprobs.shape[-1]), k, clamp_at_zero=True)
+
+
+def dynamic_tree_steps(
+    root_logprobs: torch.Tensor | Ranked, depth: int, top_k: int, total_tokens: int
+) -> Generator[TreeRequest, torch.Tensor | Ranked, DraftTree]:
+    """:func:`dynamic_tree` as a generator, so that many trees can be grown side by side with one batched model
+    call per depth (vectorised replay, :mod:`eval.replay`): it yields ``expand_fn``'s arguments, is sent the
+    log-probs ``expand_fn`` would return (or their :func:`rank_rows` with ``k = top_k``), and returns the tree
+    (``StopIteration.value``). The root's log-probs may also come ranked (one row). Same tree as
+    :func:`dynamic_tree` for the same log-probs."""
     if depth < 1 or top_k < 1 or total_tokens < 0:
         raise ValueError(f"bad dynamic tree config depth={depth} top_k={top_k} total_tokens={total_tokens}")
-    root_lp = root_logprobs.detach().float().cpu().reshape(-1).clamp_max(0.0)
-    k = min(top_k, root_lp.numel())
+    if isinstance(root_logprobs, torch.Tensor):
+        root_vals, root_idx = rank_rows(root_logprobs.reshape(1, -1), top_k)
+    else:
+        root_vals, root_idx = root_logprobs
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
 
-    vals, idx = _stable_topk(root_lp, k)
     frontier: list[int] = []
-    for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
+    for v, t in zip(root_vals[0], root_idx[0], strict=True):
         if v == float("-inf"):
             continue
         frontier.append(len(tokens))
@@ -364,12 +406,11 @@ def dynamic_tree(
     for _ in range(2, depth + 1):
         if not frontier:
             break
-        lps = expand_fn(torch.tensor(tokens, dtype=torch.long), list(parents), list(frontier))
-        lps = lps.detach().float().cpu().clamp_max(0.0)
-        if lps.shape[0] != len(frontier):
-            raise ValueError(f"expand_fn returned {lps.shape[0]} rows for {len(frontier)} nodes")
+        got = yield torch.tensor(tokens, dtype=torch.long), list(parents), list(frontier)
+        row_vals, row_idx = rank_rows(got, top_k) if isinstance(got, torch.Tensor) else got
+        if len(row_vals) != len(frontier):
+            raise ValueError(f"expand_fn returned {len(row_vals)} rows for {len(frontier)} nodes")
         new_nodes: list[int] = []
-        row_vals, row_idx = _stable_topk_rows(lps, top_k)
         for node, vals_r, idx_r in zip(frontier, row_vals, row_idx, strict=True):
             for v, t in zip(vals_r, idx_r, strict=True):
                 if v == float("-inf"):
@@ -378,9 +419,9 @@ def dynamic_tree(
                 tokens.append(int(t))
                 parents.append(node)
                 scores.append(scores[node] + float(v))
-        level_scores = torch.tensor([scores[i] for i in new_nodes], dtype=torch.float64)
-        _, order = _stable_topk(level_scores, min(top_k, len(new_nodes)))
-        frontier = sorted(new_nodes[j] for j in order.tolist())
+        # the top_k new nodes by score, ties by creation order (a stable sort; plain Python on these few floats)
+        best = sorted(range(len(new_nodes)), key=lambda j: (-scores[new_nodes[j]], j))[:top_k]
+        frontier = sorted(new_nodes[j] for j in best)
 
     # rerank: stable sort by score, admit a node only after its parent
     order = torch.tensor(scores, dtype=torch.float64).sort(descending=True, stable=True).indices.tolist()

@@ -38,7 +38,9 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -47,7 +49,7 @@ from eval.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Proposer", "TargetOutput"]
+__all__ = ["Proposer", "Replayer", "TargetOutput"]
 
 
 @dataclass
@@ -55,13 +57,30 @@ class TargetOutput:
     """What the decoder hands to :meth:`Proposer.begin` after the target prefill.
 
     Attributes:
-        logits: ``[T, V]`` target logits of the prompt positions.
+        logits: ``[T, V]`` target logits of the prompt positions (replay passes the last row only, ``[1, V]``:
+            no proposer reads the others).
         hidden_states: ``None`` unless the proposer ``needs_hidden_states``; else a dict as described
             in the module docstring with ``[T, H]`` tensors for the ``T`` prompt positions.
     """
 
     logits: torch.Tensor
     hidden_states: dict[int | str, torch.Tensor] | None = None
+
+
+class Replayer(Protocol):
+    """Greedy drafting for many replayed prompts at once (:func:`eval.replay.replay_many`): a prompt is admitted
+    into a slot with its traced sequence, then :meth:`propose` drafts after any of the admitted prompts' contexts
+    in one batch. It must draft what the proposer's own :meth:`Proposer.propose` drafts after the same context."""
+
+    def admit(self, slot: int, seq: torch.Tensor, hidden: dict[int | str, torch.Tensor]) -> None:
+        """Take a prompt into ``slot``: ``seq`` = prompt + continuation, ``hidden`` the target's states of its rows."""
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s prompt."""
+
+    def propose(self, items: Sequence[tuple[int, int]]) -> list[DraftTree]:
+        """The draft after each ``(slot, context length)``."""
+        ...
 
 
 class Proposer(ABC):
@@ -98,6 +117,11 @@ class Proposer(ABC):
         and :meth:`begin` gives it its own per-generation state. Override when ``begin`` does not reset every
         mutable attribute."""
         return copy.copy(self)
+
+    def replayer(self, slots: int, max_len: int) -> Replayer | None:
+        """A :class:`Replayer` with ``slots`` slots for traced sequences of up to ``max_len`` tokens, or None when
+        this proposer drafts one prompt at a time in replay (the default)."""
+        return None
 
     forced_tokens: list[int] | None = None
     """Analysis hook (``eval.replay.expected_acceptance``): when set, :meth:`draft_token` drafts these tokens in

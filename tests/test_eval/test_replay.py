@@ -122,14 +122,19 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
             deepest = max(deepest, max(stats.accepted_lengths, default=0))
     assert deepest >= 3, f"{family}: the fitted drafter should accept deep drafts (deepest {deepest})"
 
-    # lockstep lanes (eval/lanes.py): every prompt and both modes at once, linear layers batched across them
+    # many prompts at once: the feature heads draft for all of them in one batched head call per position / depth
+    # (their replayer); the other families run in lockstep lanes (eval/lanes.py), linear layers batched across
+    # them. lanes=2 < 3 prompts: a finished prompt's slot is refilled, and the live slots stop being 0..n-1.
     prop_of = {m: spec.proposer(module, target.model, spec.config_cls(decode=m, **base)) for m in ("chain", "tree")}
+    batched = family in ("eagle", "eagle3")
+    assert (prop_of["tree"].replayer(2, 64) is not None) == batched
     held = [Prompt("t", str(i), p) for i, p in enumerate(prompts)]
-    per, outputs, _ = replay_many(target.model, prop_of, held, conts, MAX_NEW, eos, lanes=len(prompts))
-    for mode in prop_of:
-        for i in range(len(prompts)):
-            assert outputs[mode][f"t:{i}"] == refs[mode, i].tokens, (family, mode, i)
-            _same(per[mode]["t"][i], refs[mode, i].stats)
+    for lanes in (len(prompts), 2):
+        per, outputs, _ = replay_many(target.model, prop_of, held, conts, MAX_NEW, eos, lanes=lanes)
+        for mode in prop_of:
+            for i in range(len(prompts)):
+                assert outputs[mode][f"t:{i}"] == refs[mode, i].tokens, (family, mode, i, lanes)
+                _same(per[mode]["t"][i], refs[mode, i].stats)
 
 
 def test_prompt_lookup_replay_equals_decode(target, traffic) -> None:

@@ -191,3 +191,8 @@ def test_row_topk_equals_the_one_row_stable_topk_with_ties() -> None:
         for r in range(rows.shape[0]):
             v1, i1 = _stable_topk(rows[r], k)
             assert idx[r] == i1.tolist() and vals[r] == v1.tolist(), (k, r)
+        # clamped at 0 without clamping the tensor (rank_rows): positive entries tie at 0, as after clamp_max
+        vals, idx = _stable_topk_rows(rows, k, clamp_at_zero=True)
+        for r in range(rows.shape[0]):
+            v1, i1 = _stable_topk(rows[r].clamp_max(0.0), k)
+            assert idx[r] == i1.tolist() and vals[r] == v1.tolist(), (k, r, "clamped")

@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from data.config import Choices, ConfigError
 from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
+from eval.shared_past import SharedPast
 from train.drafters.layers import KV, DraftAttention
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
@@ -138,7 +139,7 @@ class Eagle3Layer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        past: KV | None = None,
+        past: KV | SharedPast | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         hn = self.hidden_norm(h)
@@ -439,7 +440,14 @@ def make_proposer(head: nn.Module, target: Any, cfg: Eagle3Config) -> Any:
     def feature_fn(hs: dict[int | str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([hs["last"] if i == n and i not in hs else hs[i] for i in layer_ids], dim=-1)
 
-    return FeatureHeadProposer(head, head.full_logits, cfg, feature_fn=feature_fn, aux_hidden_layers=layer_ids)
+    return FeatureHeadProposer(
+        head,
+        head.full_logits,
+        cfg,
+        feature_fn=feature_fn,
+        aux_hidden_layers=layer_ids,
+        draft_vocab=(head.draft_logits, head.target_ids()),
+    )
 
 
 def feature_layers(cfg: Eagle3Config, target_config: Any) -> list[int]:

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
+from eval.shared_past import SharedPast, shared_attention
+
 KV = tuple[torch.Tensor, torch.Tensor]
 """``(keys, values)``, each ``[B, n_kv_heads, S, head_dim]`` (keys already rotated)."""
 
@@ -37,18 +39,26 @@ class DraftAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        past: KV | None = None,
+        past: KV | SharedPast | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """x: ``[B, T, in]``; mask: bool ``[B or 1, 1, T, S_past + T]`` (True = attend) or None = causal.
 
-        Returns the output ``[B, T, hidden]`` and the keys/values of the past plus these T positions.
+        Returns the output ``[B, T, hidden]`` and the keys/values of the past plus these T positions (with a
+        :class:`SharedPast`: its private part plus these positions; ``mask`` is then unused).
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if isinstance(past, SharedPast):
+            if past.private_k is not None and past.private_v is not None:
+                k = torch.cat([past.private_k, k], dim=2)
+                v = torch.cat([past.private_v, v], dim=2)
+            out = shared_attention(q, k, v, past)
+            out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            return self.o_proj(out), (k, v)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -85,7 +95,7 @@ class DraftLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        past: KV | None = None,
+        past: KV | SharedPast | None = None,
         mask: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
