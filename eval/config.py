@@ -64,9 +64,10 @@ class EvalConfig(Choices):
     replay_batch_size: int = 16
     """Batch size for generating the continuations."""
     replay_lanes: int = 32
-    """Prompts replayed at once, the drafters' linear layers batched across them (eval/lanes.py: each weight is
-    read once per round instead of once per prompt; same trajectories). 1 = one prompt at a time. Also used by
-    the training-time checks."""
+    """Prompts replayed at once: feature heads draft for all of them in one batched call per draft position
+    (their replayer, eval/proposers/feature_head.py), other drafters' linear layers are batched across them
+    (eval/lanes.py); each weight is read once per round instead of once per prompt; same trajectories. 1 = one
+    prompt at a time (the reference path). Also used by the training-time checks."""
     bootstrap: int = 2000
     """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
     temperature: float = 0.0

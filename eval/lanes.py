@@ -1,5 +1,9 @@
 """Lockstep lanes: many replayed trajectories at once, every linear layer of the drafters batched across them.
 
+(Used for the drafters without a batched replayer -- Medusa, standalone draft models. The feature heads draft for
+many prompts in one model call instead, :class:`eval.proposers.feature_head.FeatureHeadReplayer`, which also
+batches their attention and leaves no per-lane Python work under the GIL.)
+
 Replay (:mod:`eval.replay`) walks one prompt's trajectory at a time, and a drafter drafts one token (or one tree
 level) at a time, so on a CPU almost all of its time goes into matrix-*vector* products: each drafted token reads
 every weight of the draft head and of its vocabulary projection from memory (the EAGLE-1 head's projection onto

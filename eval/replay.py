@@ -25,6 +25,12 @@ Exactness: the trace forward and the decoder's incremental verification compute 
 different order, so fp32 rounding can in principle flip a near-tie (in the drafter's top-k or in the target's
 greedy choice). The tests require identical steps and accepted counts for every family, chain and tree.
 
+Many prompts at once (:func:`replay_many`, ``eval.replay_lanes``): the walk above is cheap; drafting is not, and
+one prompt at a time it is made of matrix-vector products. A proposer with a batched
+:meth:`~eval.proposers.base.Proposer.replayer` (the feature heads) drafts for every walked prompt in one model call
+per draft position (:class:`_SteppedReplay`); the others run in lockstep threads with their linear layers batched
+across prompts (:mod:`eval.lanes`). Either way each prompt's trajectory is the one :func:`replay` walks.
+
 Sampling (temperature > 0) is not replayed: stage eval decodes for it (``eval.mode=decode``).
 """
 
