@@ -140,6 +140,9 @@ def main() -> None:
         all_stats = DecodeStats.merge_all([s for lst in stats[m.name].values() for s in lst])
         report["methods"][m.name] = {  # type: ignore[index]
             "replay_tau_all": all_stats.tau(),
+            # this method's drafting in the shared replay (a batched replayer: the prompts' shares of its rounds add
+            # up to its wall time; lane threads: every lane's time, waits included, so more than wall time)
+            "replay_draft_seconds": round(all_stats.draft_time_s, 2),
             "decode_seconds_sample": round(t_dec, 2),
             "decode_seconds_per_prompt": round(t_dec / max(1, len(dprompts)), 2),
             "prompts_where_replay_differs": differ,
