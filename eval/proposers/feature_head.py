@@ -274,7 +274,15 @@ class FeatureHeadReplayer:
             return self._chain(root, ks, vs, visible, Lt)
         return self._tree(root, ks, vs, visible, Lt)
 
-    def _past(self, ks, vs, visible, pk, pv, mask) -> list[SharedPast]:  # type: ignore[no-untyped-def]
+    def _past(
+        self,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+        visible: torch.Tensor,
+        pk: list[torch.Tensor] | None,
+        pv: list[torch.Tensor] | None,
+        mask: torch.Tensor,
+    ) -> list[SharedPast]:
         return [
             SharedPast(k, v, visible, None if pk is None else pk[i], None if pv is None else pv[i], mask)
             for i, (k, v) in enumerate(zip(ks, vs, strict=True))
@@ -324,17 +332,18 @@ class FeatureHeadReplayer:
         n_layers = len(ks)
         zero = root.new_zeros(H)
         while True:
-            live = [a for a in range(A) if reqs[a] is not None]
+            pending = {a: r for a, r in enumerate(reqs) if r is not None}
+            live = list(pending)
             if not live:
                 break
-            W = max(len(reqs[a][2]) for a in live)  # type: ignore[index]
+            W = max(len(pending[a][2]) for a in live)
             Pm = max(len(run[a]) for a in live)
             feats: list[torch.Tensor] = []
             ids: list[list[int]] = []
             pos: list[list[int]] = []
             mask: list[list[list[bool]]] = []
             for a in live:
-                tokens, parents, expand = reqs[a]  # type: ignore[misc]
+                tokens, parents, expand = pending[a]
                 for i in range(len(anc[a]), len(parents)):  # nodes created since the last depth
                     par = parents[i]
                     anc[a].append({i} if par == -1 else anc[a][par] | {i})
@@ -361,20 +370,22 @@ class FeatureHeadReplayer:
             B = len(live)
             x = torch.stack(feats).view(B, W, H)
             mask_t = torch.tensor(mask, dtype=torch.bool, device=device)[:, None]
+            pk: list[torch.Tensor] | None
+            pv: list[torch.Tensor] | None
             if Pm:
                 pk = [torch.stack([_pad_to(own_k[a][i], Pm) for a in live]) for i in range(n_layers)]
                 pv = [torch.stack([_pad_to(own_v[a][i], Pm) for a in live]) for i in range(n_layers)]
             else:
-                pk = pv = None  # type: ignore[assignment]
+                pk = pv = None
             past = self._past(self._sel(ks, live), self._sel(vs, live), visible[live], pk, pv, mask_t)
             out, kvs = p.head(x, torch.tensor(ids, device=device), torch.tensor(pos, device=device), past=past)
-            counts = [len(reqs[a][2]) for a in live]  # type: ignore[index]
+            counts = [len(pending[a][2]) for a in live]
             real = out[:, :W].reshape(B * W, H)
             keep = [b * W + r for b, c in enumerate(counts) for r in range(c)]
             vals, idx = self._rank(real[keep] if len(keep) < B * W else real)
             at = 0
             for b, a in enumerate(live):
-                _, _, expand = reqs[a]  # type: ignore[misc]
+                _, _, expand = pending[a]
                 n_new, n_old = len(expand), len(run[a])
                 for r, e in enumerate(expand):
                     node_out[a][e] = out[b, r]
