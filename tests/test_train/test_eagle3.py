@@ -223,3 +223,56 @@ def test_loss_all_positions_also_trains_where_the_target_top_is_outside_the_draf
         coverage = float(metrics["vocab_coverage"])
     need = int(batch.loss_mask[:, 2:].sum())
     assert coverage < 1.0 and counted[True] == need > counted[False] > 0, (counted, need, coverage)
+
+
+@pytest.mark.parametrize("loss_all_positions", [False, True])
+def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_all_positions: bool) -> None:
+    """Training unrolls TTT steps only for entries whose chain reaches a target-written token; prompt positions
+    give step 0's keys/values only. Loss, every metric and every gradient must equal the full unroll's, on two
+    real rows of different prompt lengths with right padding (so the selected entries differ per row), and the
+    draft-vocabulary-only teacher projection (``loss_all_positions``) must equal slicing the full one."""
+    from train.batches import Row
+    from train.drafters.eagle3 import _draft_rows, loss_fn
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    texts = [
+        "Write a function that adds two numbers.\ndef add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+        "Tell me a short fact about the moon, in one sentence please. The moon has no air.",
+    ]
+    enc = [target.tokenizer(t).input_ids for t in texts]
+    prompt = [len(enc[0]) - 14, 6]  # different prompt lengths: entries selected per row differ
+    L = max(map(len, enc))
+    ids = torch.zeros(2, L, dtype=torch.long)
+    am = torch.zeros(2, L, dtype=torch.long)
+    lm = torch.zeros(2, L, dtype=torch.long)
+    for b, e in enumerate(enc):
+        ids[b, : len(e)] = torch.tensor(e)
+        am[b, : len(e)] = 1
+        lm[b, prompt[b] : len(e)] = 1
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, attention_mask=am, output_hidden_states=True).hidden_states
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    batch = TrainBatch(ids, am, lm)
+    spec, cfg, head = _head(target, draft_vocab_size=64, ttt_steps=3, loss_all_positions=loss_all_positions)
+    spec.prepare(head, [Row(e, m[: len(e)].tolist()) for e, m in zip(enc, lm, strict=True)], cfg, target.model)
+    head.train()
+    runs = {}
+    for needed_only in (False, True):
+        head.zero_grad()
+        loss, metrics = loss_fn(head, batch, feats, cfg, needed_only=needed_only)
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
+        runs[needed_only] = (loss.detach(), {k: float(v) for k, v in metrics.items()}, grads)
+    (l0, m0, g0), (l1, m1, g1) = runs[False], runs[True]
+    assert m0["tokens"] > 0 and m0.keys() == m1.keys() and g0.keys() == g1.keys() and "fc.weight" in g0
+    assert torch.allclose(l0, l1, rtol=1e-5), (l0, l1)
+    for k in m0:
+        assert m0[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-6 * float(g0[k].abs().max())), k
+    # and leaving a needed entry out changes the loss (the comparison can fail)
+    cut = TrainBatch(ids, am, torch.cat([lm[:, :-3], lm[:, -3:] * 0], 1))
+    assert not torch.allclose(loss_fn(head, cut, feats, cfg)[0], l1, rtol=1e-5)
+    x = hs[30][0, :5]
+    lm_head = target.model.get_output_embeddings()
+    assert torch.allclose(_draft_rows(lm_head, x, head.target_ids()), lm_head(x)[:, head.target_ids()], atol=1e-4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
 from eval.shared_past import SharedPast, shared_attention
 
@@ -41,23 +41,39 @@ class DraftAttention(nn.Module):
         sin: torch.Tensor,
         past: KV | SharedPast | None = None,
         mask: torch.Tensor | None = None,
+        queries: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """x: ``[B, T, in]``; mask: bool ``[B or 1, 1, T, S_past + T]`` (True = attend) or None = causal.
 
-        Returns the output ``[B, T, hidden]`` and the keys/values of the past plus these T positions (with a
+        ``queries`` (``[B, Q]`` indices into the T positions): keys and values for all T positions, queries (and
+        the output, ``[B, Q, hidden]``) only for those; ``mask`` is then ``[B, 1, Q, S_past + T]`` and required.
+        Training uses it where only some positions' outputs are needed (the rest serve as context).
+
+        Returns the output ``[B, T or Q, hidden]`` and the keys/values of the past plus these T positions (with a
         :class:`SharedPast`: its private part plus these positions; ``mask`` is then unused).
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if queries is None:
+            q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        else:
+            if mask is None or isinstance(past, SharedPast):
+                raise ValueError("attention over a subset of queries needs an explicit mask and a plain past")
+            Q = queries.shape[1]
+            x_q, cos_q, sin_q = (gather_rows(t, queries) for t in (x, cos, sin))
+            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q = self.q_proj(x_q).view(B, Q, self.n_heads, self.head_dim).transpose(1, 2)
+            q = q * cos_q.unsqueeze(1) + rotate_half(q) * sin_q.unsqueeze(1)
+            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
         if isinstance(past, SharedPast):
             if past.private_k is not None and past.private_v is not None:
                 k = torch.cat([past.private_k, k], dim=2)
                 v = torch.cat([past.private_v, v], dim=2)
             out = shared_attention(q, k, v, past)
-            out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            out = out.transpose(1, 2).reshape(B, q.shape[2], self.n_heads * self.head_dim)
             return self.o_proj(out), (k, v)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
@@ -74,8 +90,13 @@ class DraftAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal)
         else:
             out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(B, q.shape[2], self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v)
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[b, index[b, i]]`` for ``t`` ``[B, T, ...]`` and ``index`` ``[B, Q]``: ``[B, Q, ...]``."""
+    return t[torch.arange(t.shape[0], device=t.device)[:, None], index]
 
 
 class DraftLayer(nn.Module):
