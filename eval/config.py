@@ -61,6 +61,11 @@ class EvalConfig(Choices):
     continuations_dir: str | None = None
     """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
     run dir's replay/)."""
+    trace_cache: bool = True
+    """Keep each judged prompt's target trace (the hidden states replay feeds the drafters, fp32) on disk beside
+    the continuations (``<continuations_dir>/traces``): a second checkpoint or family on the same prompts then
+    costs only its drafting. About 9 KB per token for the embedded target's EAGLE-3 layers (200 prompts x 450
+    tokens: ~0.8 GB); false = recompute every time."""
     replay_batch_size: int = 16
     """Batch size for generating the continuations."""
     replay_lanes: int = 32

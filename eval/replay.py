@@ -13,8 +13,8 @@ next token (the bonus / correction). So once the continuation ``c`` of a prompt 
    verification forward replaced by a lookup into ``c``.
 
 A second drafter (or checkpoint, or chain vs tree) on the same prompts costs only its drafting: the
-continuations are cached on disk (:class:`ContinuationCache`) and the target trace is shared between all
-methods of one evaluation.
+continuations are cached on disk (:class:`ContinuationCache`), the target trace is shared between all methods
+of one evaluation and kept on disk for the next one (:class:`TraceCache`).
 
 Continuations are generated *ignoring* the end-of-sequence token (up to the token budget): the decoder
 verifies drafts that run past an eos (it counts them, then cuts the output at the eos), so the target's
@@ -50,9 +50,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from data.atomic import atomic_write_text
+from data.atomic import atomic_path, atomic_write_text
 from data.generate import continuous_generate, model_forward
 from eval.lanes import LaneBatcher, batchable_linears, batched_linears
 from eval.metrics import DecodeStats
@@ -65,6 +67,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ContinuationCache",
     "TargetTrace",
+    "TraceCache",
     "bootstrap_tau_ci",
     "describe_paired",
     "greedy_continuations",
@@ -258,6 +261,111 @@ def trace_target(
         prompt_logits=prompt_logits,
         seconds=time.perf_counter() - t0,
     )
+
+
+class TraceCache:
+    """Target traces on disk (``<directory>/traces/<key>.safetensors``), so that a second checkpoint or family
+    judged on the same prompts pays only its drafting.
+
+    A trace is keyed by the target fingerprint, its dtype, the prompt and the continuation; it holds the last
+    prompt row's logits and the hidden states asked for so far (``last`` and intermediate layers: a family that
+    needs a layer the stored trace lacks recomputes it with the union and stores that). The prompt and
+    continuation are stored too and compared on load. Tensors are read with safetensors (no pickle). An unreadable
+    file is recomputed; a cache that cannot be written (read-only directory, full disk) is a warning, and replay
+    goes on without it. Size: ``(prompt + new tokens) x hidden x 4 bytes`` per stored layer (fp32), ~9 KB per
+    token for the embedded target's four EAGLE-3 layers.
+    """
+
+    def __init__(self, directory: str | Path, fingerprint: str) -> None:
+        self.directory = Path(directory) / "traces"
+        self.fingerprint = fingerprint
+        self.loaded = 0
+        self.computed = 0
+        self.load_seconds = 0.0
+        self._unwritable = False
+
+    def _path(self, model: torch.nn.Module, prompt: Sequence[int], continuation: Sequence[int]) -> Path:
+        dtype = next(model.parameters()).dtype
+        return self.directory / f"{_key(f'{self.fingerprint}|{dtype}|trace', [*prompt, -1, *continuation])}.safetensors"
+
+    def _read(self, path: Path, prompt: Sequence[int], continuation: Sequence[int]) -> dict[str, torch.Tensor] | None:
+        if not path.is_file():
+            return None
+        try:
+            t = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            logger.warning("replay: unreadable trace %s recomputed (%s)", path, exc)
+            return None
+        ok = (
+            "prompt" in t
+            and "continuation" in t
+            and "prompt_logits" in t
+            and t["prompt"].tolist() == list(prompt)
+            and t["continuation"].tolist() == list(continuation)
+        )
+        if not ok:
+            logger.warning("replay: trace %s does not hold this prompt and continuation; recomputed", path)
+            return None
+        return t
+
+    def get(
+        self,
+        model: torch.nn.Module,
+        prompt: Sequence[int],
+        continuation: Sequence[int],
+        hidden_layers: Sequence[int] | None,
+        need_hidden: bool = True,
+    ) -> TargetTrace:
+        """The trace of ``prompt + continuation`` with at least the requested layers, read or made (and stored)."""
+        path = self._path(model, prompt, continuation)
+        t0 = time.perf_counter()
+        stored = self._read(path, prompt, continuation)
+        want = {f"hidden.{x}" for x in ["last", *(int(i) for i in hidden_layers or [])]} if need_hidden else set()
+        if stored is not None and want <= stored.keys():
+            device = next(model.parameters()).device
+            hidden = {
+                ("last" if k == "hidden.last" else int(k.split(".", 1)[1])): v.to(device)
+                for k, v in stored.items()
+                if k.startswith("hidden.")
+            }
+            self.loaded += 1
+            self.load_seconds += time.perf_counter() - t0
+            return TargetTrace(
+                prompt=stored["prompt"].to(device),
+                continuation=[int(x) for x in continuation],
+                hidden=hidden or None,
+                prompt_logits=stored["prompt_logits"].to(device),
+            )
+        layers = {int(i) for i in hidden_layers or []}
+        if stored is not None:  # keep what the stored trace had
+            layers |= {int(k.split(".", 1)[1]) for k in stored if k.startswith("hidden.") and k != "hidden.last"}
+            need_hidden = need_hidden or "hidden.last" in stored
+        trace = trace_target(model, prompt, continuation, sorted(layers), need_hidden)
+        self.computed += 1
+        self._store(path, trace)
+        return trace
+
+    def _store(self, path: Path, trace: TargetTrace) -> None:
+        if self._unwritable:
+            return
+        tensors = {
+            "prompt": trace.prompt.cpu(),
+            "continuation": torch.tensor(trace.continuation, dtype=torch.long),
+            "prompt_logits": trace.prompt_logits.cpu(),
+        }
+        for k, v in (trace.hidden or {}).items():
+            tensors[f"hidden.{k}"] = v.cpu().contiguous()
+        try:
+            with atomic_path(path, suffix=".safetensors") as tmp:
+                save_file(tensors, str(tmp))
+        except OSError as exc:
+            self._unwritable = True
+            logger.warning(
+                "replay: cannot write the trace cache %s (%s); continuing without it (eval.trace_cache=false "
+                "turns it off, eval.continuations_dir moves it)",
+                self.directory,
+                exc,
+            )
 
 
 def _rows(
@@ -541,6 +649,7 @@ def replay_many(
     eos_token_id: int | Sequence[int] | None,
     desc: str = "replay",
     lanes: int = 1,
+    trace_cache: TraceCache | None = None,
 ) -> tuple[dict[str, dict[str, list[DecodeStats]]], dict[str, dict[str, list[int]]], float]:
     """Replay every proposer on every prompt, one target trace per prompt shared by all proposers.
 
@@ -550,8 +659,9 @@ def replay_many(
     proposers with linear layers, in lane threads whose products are batched across prompts (:mod:`eval.lanes`).
     The traces are made in this thread, and proposers without linear layers (prompt lookup) run here too. Returns
     per proposer name: the per-prompt stats grouped by source (in prompt order), the outputs keyed
-    ``"source:id"``, and the total trace seconds. With lane threads, a prompt's ``draft_time_s`` is the time its
-    lane took, waiting for the other lanes included.
+    ``"source:id"``, and the total seconds of the traces made (``trace_cache``: traces stored by an earlier run
+    are read instead, and new ones stored). With lane threads, a prompt's ``draft_time_s`` is the time its lane
+    took, waiting for the other lanes included.
     """
 
     need, layers = union_hidden_layers(list(proposers.values()))
@@ -593,7 +703,10 @@ def replay_many(
     def traces() -> Iterator[tuple[int, TargetTrace]]:
         nonlocal trace_s
         for i, (p, cont) in enumerate(zip(prompts, continuations, strict=True)):
-            trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
+            if trace_cache is not None:
+                trace = trace_cache.get(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
+            else:
+                trace = trace_target(target_model, p.input_ids, cont[:max_new_tokens], layers, need)
             trace_s += trace.seconds
             yield i, trace
 

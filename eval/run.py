@@ -42,6 +42,7 @@ from eval.proposers import DraftModelProposer, PromptLookupProposer
 from eval.replay import (
     ContinuationCache,
     ExpectedAcceptance,
+    TraceCache,
     bootstrap_tau_ci,
     describe_interval,
     expected_acceptance,
@@ -527,22 +528,35 @@ def replay_methods(
     conts = load_continuations(cfg, target, prompts, run_dir)
     t_cont = time.perf_counter() - t0
     proposers = {m.name: m.proposer for m in methods if m.proposer is not None}
+    traces = TraceCache(continuations_dir(cfg, run_dir), target.fingerprint) if e.trace_cache else None
     stats, outputs, trace_s = replay_many(
-        target.model, proposers, prompts, conts, e.max_new_tokens, target.tokenizer.eos_token_id, lanes=e.replay_lanes
+        target.model,
+        proposers,
+        prompts,
+        conts,
+        e.max_new_tokens,
+        target.tokenizer.eos_token_id,
+        lanes=e.replay_lanes,
+        trace_cache=traces,
     )
     results = {name: finish_result(Result(name=name, outputs=outputs[name]), stats[name]) for name in proposers}
     timings = {
         "continuations_seconds": round(t_cont, 2),
         "trace_seconds": round(trace_s, 2),
+        "traces_read_from_cache": traces.loaded if traces else 0,
+        "trace_read_seconds": round(traces.load_seconds, 2) if traces else 0.0,
         "replay_seconds": round(time.perf_counter() - t0 - t_cont, 2),
     }
     logger.info(
-        "replay: %d prompts x %d tokens, %d methods: continuations %.1f s, target traces %.1f s, in all %.1f s",
+        "replay: %d prompts x %d tokens, %d methods: continuations %.1f s, target traces %.1f s (%d read from %s), "
+        "in all %.1f s",
         len(prompts),
         e.max_new_tokens,
         len(proposers),
         t_cont,
         trace_s,
+        traces.loaded if traces else 0,
+        traces.directory if traces else "no cache",
         time.perf_counter() - t0,
     )
     return results, timings

@@ -34,7 +34,7 @@ from data.manifest import read_manifest, write_manifest
 from data.target import load_target
 from data.tracking import Tracker
 from eval.heldout import load_heldout, measure
-from eval.replay import ContinuationCache, bootstrap_tau_ci, replay_many
+from eval.replay import ContinuationCache, TraceCache, bootstrap_tau_ci, replay_many
 from eval.run import Result, finish_result
 from train.batches import BatchPlan, load_rows
 from train.checkpoints import CorruptCheckpointError, compare_resume_config, verify_checkpoint
@@ -444,8 +444,18 @@ class Trainer:
 
         cache = ContinuationCache(Path(cfg.synth_dir) / "replay", self.target.fingerprint)
         conts = cache.get(self.target.model, [p.input_ids for p in prompts], n_tok, self.target.tokenizer.pad_token_id)
+        # every check replays the same prompts: the traces are made at the first and read at the others
+        traces = TraceCache(Path(cfg.synth_dir) / "replay", self.target.fingerprint) if cfg.eval.trace_cache else None
         per, _, _ = replay_many(
-            self.target.model, {"drafter": proposer}, prompts, conts, n_tok, eos, desc=desc, lanes=cfg.eval.replay_lanes
+            self.target.model,
+            {"drafter": proposer},
+            prompts,
+            conts,
+            n_tok,
+            eos,
+            desc=desc,
+            lanes=cfg.eval.replay_lanes,
+            trace_cache=traces,
         )
         res = finish_result(Result(name="drafter"), per["drafter"])
         return {

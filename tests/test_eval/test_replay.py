@@ -94,10 +94,10 @@ def _same(a: DecodeStats, b: DecodeStats) -> None:
 
 
 @pytest.mark.parametrize("family", list(FAMILY_KW))
-def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, family: str) -> None:
+def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, family: str, tmp_path) -> None:
     from eval.decoder import SpeculativeDecoder
     from eval.heldout import Prompt
-    from eval.replay import replay, replay_many, trace_target
+    from eval.replay import TraceCache, replay, replay_many, trace_target
     from train.drafters import registry
 
     prompts, conts = traffic
@@ -129,8 +129,11 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
     batched = family in ("eagle", "eagle3")
     assert (prop_of["tree"].replayer(2, 64) is not None) == batched
     held = [Prompt("t", str(i), p) for i, p in enumerate(prompts)]
+    # the first run stores the traces, the second reads them back from disk (no target forward)
+    traces = TraceCache(tmp_path, "fp")
     for lanes in (len(prompts), 2):
-        per, outputs, _ = replay_many(target.model, prop_of, held, conts, MAX_NEW, eos, lanes=lanes)
+        per, outputs, _ = replay_many(target.model, prop_of, held, conts, MAX_NEW, eos, lanes=lanes, trace_cache=traces)
+        assert (traces.computed, traces.loaded) == ((3, 0) if lanes == len(prompts) else (3, 3)), family
         for mode in prop_of:
             for i in range(len(prompts)):
                 assert outputs[mode][f"t:{i}"] == refs[mode, i].tokens, (family, mode, i, lanes)
@@ -255,3 +258,50 @@ def test_continuation_cache_reuses_prefixes_and_survives_an_unwritable_dir(tmp_p
     nowhere = ContinuationCache(blocked / "replay", "fp")  # its directory cannot be created
     assert nowhere.get(model, prompts[:1], 4, pad_token_id=0)[0] == long[0][:4]
     assert "cannot write the continuation cache" in caplog.text
+
+
+def test_trace_cache_reads_back_adds_layers_and_survives_bad_files(target, traffic, tmp_path, caplog) -> None:
+    """A stored trace is read back bit for bit; a request for a layer it lacks recomputes it with the union of
+    layers (so the next family finds both); a corrupt file or one holding another prompt is recomputed; another
+    target's fingerprint never reads it; an unwritable directory only costs a warning."""
+    from eval.replay import TraceCache, trace_target
+
+    prompts, conts = traffic
+    p, c = prompts[0], conts[0]
+    ref = trace_target(target.model, p, c, [2, 15], True)
+    cache = TraceCache(tmp_path, "fp")
+    first = cache.get(target.model, p, c, [2, 15], True)
+    again = TraceCache(tmp_path, "fp").get(target.model, p, c, [15], True)  # a subset: read, not recomputed
+    for t in (first, again):
+        assert torch.equal(t.prompt, ref.prompt) and t.continuation == ref.continuation
+        assert torch.equal(t.prompt_logits, ref.prompt_logits)
+        for k in ("last", 2, 15):
+            assert torch.equal(t.hidden[k], ref.hidden[k]), k
+    files = list((tmp_path / "traces").glob("*.safetensors"))
+    assert len(files) == 1 and cache.computed == 1
+    more = TraceCache(tmp_path, "fp")
+    union = more.get(target.model, p, c, [27], True)  # a layer it lacks: recomputed with 2, 15 and 27
+    assert more.computed == 1 and set(union.hidden) == {"last", 2, 15, 27}
+    assert TraceCache(tmp_path, "fp").get(target.model, p, c, [2, 27], True).hidden.keys() == union.hidden.keys()
+    other = TraceCache(tmp_path, "another target")
+    other.get(target.model, p, c, [2], True)
+    assert other.computed == 1 and len(list((tmp_path / "traces").glob("*.safetensors"))) == 2
+    for f in (tmp_path / "traces").glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    bad = TraceCache(tmp_path, "fp")
+    fixed = bad.get(target.model, p, c, [2], True)
+    assert bad.computed == 1 and torch.equal(fixed.hidden[2], ref.hidden[2])
+    assert "unreadable trace" in caplog.text
+    # a file that holds another prompt under this key (a collision or a copied file) is not trusted
+    path = bad._path(target.model, p, c)
+    elsewhere = TraceCache(tmp_path / "x", "fp")
+    elsewhere.get(target.model, prompts[1], conts[1], [2], True)
+    path.write_bytes(elsewhere._path(target.model, prompts[1], conts[1]).read_bytes())
+    check = TraceCache(tmp_path, "fp")
+    assert torch.equal(check.get(target.model, p, c, [2], True).hidden[2], ref.hidden[2]) and check.computed == 1
+    assert "does not hold this prompt" in caplog.text
+    blocked = tmp_path / "a_file"
+    blocked.write_text("x")
+    nowhere = TraceCache(blocked, "fp")
+    assert torch.equal(nowhere.get(target.model, p, c, [2], True).hidden[2], ref.hidden[2])
+    assert "cannot write the trace cache" in caplog.text
