@@ -276,3 +276,29 @@ def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_a
     x = hs[30][0, :5]
     lm_head = target.model.get_output_embeddings()
     assert torch.allclose(_draft_rows(lm_head, x, head.target_ids()), lm_head(x)[:, head.target_ids()], atol=1e-4)
+
+
+def test_loss_on_prompt_also_trains_at_prompt_positions(target) -> None:
+    """drafter.loss_on_prompt: every real position counts (the target's distribution after each prompt token),
+    not only target-written ones; the unroll then covers every entry and still equals the full unroll."""
+    from train.batches import Row
+    from train.drafters.eagle3 import loss_fn
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    ids = target.tokenizer("Question: what is two plus three? Answer: two plus three is five.", return_tensors="pt")
+    ids = ids.input_ids
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    am = torch.ones_like(ids)
+    lm = torch.cat([am[:, :8] * 0, am[:, 8:]], 1)
+    batch = TrainBatch(ids, am, lm)
+    counted = {}
+    for on_prompt in (False, True):
+        spec, cfg, head = _head(target, draft_vocab_size=256, ttt_steps=2, loss_on_prompt=on_prompt)
+        spec.prepare(head, [Row(ids[0].tolist(), lm[0].tolist())], cfg, target.model)
+        loss, metrics = loss_fn(head, batch, feats, cfg)
+        full, _ = loss_fn(head, batch, feats, cfg, needed_only=False)
+        assert torch.allclose(loss, full, rtol=1e-5)
+        counted[on_prompt] = int(metrics["tokens"])
+    assert counted[False] == int(lm[:, 2:].sum()) and counted[True] == ids.shape[1] - 2

@@ -74,6 +74,10 @@ class Eagle3Config(Choices):
     other rule at the quickstart budget, BENCHMARKS), and then the target's LM head is only projected onto the
     draft vocabulary's rows; off = SpecForge's rule, only where the draft vocabulary can hold the target's top
     token (needs the full projection to know)."""
+    loss_on_prompt: bool = False
+    """Also train at prompt positions, against the target's distribution after each prompt token (its features are
+    computed anyway): more supervised positions per step, at the cost of unrolling every entry; off = only where
+    the next token is target-written (EAGLE, SpecForge, speculators)."""
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
@@ -354,7 +358,8 @@ def loss_fn(
     target_ids = core.target_ids().to(dev)
     # The target's distribution over the draft vocabulary at every position p that predicts a target-written
     # token x[p+1]; the LM head runs only on those rows.
-    need = (lm[:, 2:] * am[:, 2:]).bool()  # position p = 1..L-2 predicts x[p+1]
+    # position p = 1..L-2 predicts x[p+1]
+    need = (am[:, 2:] if cfg.loss_on_prompt else lm[:, 2:] * am[:, 2:]).bool()
     rows = torch.nonzero(need)  # (b, p-1)
     t_p = torch.zeros(B, L + cfg.ttt_steps, target_ids.numel(), device=dev)
     in_vocab = torch.zeros(B, L, dtype=torch.bool, device=dev)
