@@ -134,6 +134,20 @@ def config_groups() -> tuple[str, ...]:
     return tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()))
 
 
+def experiment_drafter(name: str) -> str | None:
+    """The drafter family experiment ``name`` selects (``override /drafter: <family>`` in its defaults), or None
+    (it selects none, or there is no such experiment: Hydra names the valid ones)."""
+    path = CONF_DIR / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    for entry in OmegaConf.load(path).get("defaults", []) or []:
+        if isinstance(entry, DictConfig):
+            for key, value in entry.items():
+                if str(key).replace("override", "").strip().lstrip("/") == "drafter" and value is not None:
+                    return str(value)
+    return None
+
+
 def stage_help() -> str:
     return "Valid stages:\n" + "\n".join(f"  {name:<8} {doc}" for name, (_, doc) in STAGES.items())
 
@@ -146,7 +160,7 @@ def check_stage(stage: str) -> None:
 def preflight(argv: list[str]) -> None:
     """Fail fast, before Hydra composes, on an unknown key or stage in the command line."""
     overrides = [a for a in argv if not a.startswith("-")]
-    check_overrides(overrides, config_groups())
+    check_overrides(overrides, config_groups(), experiment_drafter=experiment_drafter)
     for ov in overrides:
         if ov.startswith("run_name="):
             for name in ov.split("=", 1)[1].split(","):
