@@ -77,7 +77,9 @@ class Eagle3Config(Choices):
     loss_on_prompt: bool = False
     """Also train at prompt positions, against the target's distribution after each prompt token (its features are
     computed anyway): more supervised positions per step, at the cost of unrolling every entry; off = only where
-    the next token is target-written (EAGLE, SpecForge, speculators)."""
+    the next token is target-written (EAGLE, SpecForge, speculators). ``conf/drafter/eagle3.yaml`` (what
+    ``drafter=eagle3`` composes) turns it on: it won at equal steps (BENCHMARKS); a config built in code keeps
+    the narrower rule unless asked."""
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
