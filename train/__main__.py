@@ -143,9 +143,16 @@ def experiment_drafter(name: str) -> str | None:
     for entry in OmegaConf.load(path).get("defaults", []) or []:
         if isinstance(entry, DictConfig):
             for key, value in entry.items():
-                if str(key).replace("override", "").strip().lstrip("/") == "drafter" and value is not None:
+                if str(key).split()[-1].lstrip("/") == "drafter" and value is not None:
                     return str(value)
     return None
+
+
+def default_drafter(overrides: list[str]) -> str:
+    """The family ``drafter.*`` overrides are checked against when no ``drafter=`` is given: the chosen
+    experiment's drafter, else the root config's (eagle)."""
+    exp = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
+    return (experiment_drafter(exp) if exp and "," not in exp else None) or "eagle"
 
 
 def stage_help() -> str:
@@ -160,7 +167,7 @@ def check_stage(stage: str) -> None:
 def preflight(argv: list[str]) -> None:
     """Fail fast, before Hydra composes, on an unknown key or stage in the command line."""
     overrides = [a for a in argv if not a.startswith("-")]
-    check_overrides(overrides, config_groups(), experiment_drafter=experiment_drafter)
+    check_overrides(overrides, config_groups(), default_drafter(overrides))
     for ov in overrides:
         if ov.startswith("run_name="):
             for name in ov.split("=", 1)[1].split(","):

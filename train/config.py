@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
@@ -295,23 +294,12 @@ def check_choice(key: str, value: str, tp: type[Choice] | None) -> None:
         raise ConfigError(f"{key}={value!r} is not one of: {', '.join(tp.values())}.{hint}")
 
 
-def check_overrides(
-    overrides: list[str],
-    groups: tuple[str, ...],
-    default_drafter: str = "eagle",
-    experiment_drafter: Callable[[str], str | None] | None = None,
-) -> None:
+def check_overrides(overrides: list[str], groups: tuple[str, ...], default_drafter: str = "eagle") -> None:
     """Check ``key=value`` command-line overrides against the schema before Hydra composes.
 
     Group selections (``drafter=eagle``), Hydra's own keys (``hydra.*``) and additions (``+key=...``)
-    are left to Hydra, which lists the valid group options itself. ``drafter.*`` keys are checked against the
-    family chosen by ``drafter=`` on the command line, else by the chosen experiment
-    (``experiment_drafter(name)``: the drafter its ``defaults`` select, None when it selects none), else
-    ``default_drafter``.
+    are left to Hydra, which lists the valid group options itself.
     """
-    chosen_experiment = next((o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")), None)
-    if experiment_drafter is not None and chosen_experiment and "," not in chosen_experiment:
-        default_drafter = experiment_drafter(chosen_experiment) or default_drafter
     for ov in overrides:
         if "=" not in ov or ov.startswith(("+", "~", "hydra.", "hydra/")):
             continue

@@ -70,29 +70,22 @@ def test_cli_typo_fails_at_startup_with_valid_keys() -> None:
 def test_drafter_keys_are_checked_against_the_experiments_drafter() -> None:
     """``experiment=cpu_1h`` selects drafter=eagle3 in its defaults: its keys are valid on the command line without
     ``drafter=eagle3``, and a typo is named against eagle3's keys, not the root default's (eagle)."""
-    from train.__main__ import config_groups, experiment_drafter
+    from train.__main__ import config_groups, default_drafter, experiment_drafter
     from train.config import check_overrides
 
     assert experiment_drafter("cpu_1h") == "eagle3" and experiment_drafter("quickstart") is None
     groups = config_groups()
-    check_overrides(["experiment=cpu_1h", "drafter.loss_on_prompt=true"], groups, experiment_drafter=experiment_drafter)
-    check_overrides(
-        ["experiment=quickstart", "drafter.init_from_target=true"], groups, experiment_drafter=experiment_drafter
-    )
+
+    def check(*ovs: str) -> None:
+        check_overrides(list(ovs), groups, default_drafter(list(ovs)))
+
+    check("experiment=cpu_1h", "drafter.loss_on_prompt=true")
+    check("experiment=quickstart", "drafter.init_from_target=true")
     with pytest.raises(ConfigError, match=r"Did you mean 'drafter.loss_on_prompt'"):
-        check_overrides(
-            ["experiment=cpu_1h", "drafter.loss_on_promt=true"], groups, experiment_drafter=experiment_drafter
-        )
+        check("experiment=cpu_1h", "drafter.loss_on_promt=true")
     with pytest.raises(ConfigError, match=r"'loss_on_prompt' is not a key of 'drafter'"):  # quickstart trains eagle
-        check_overrides(
-            ["experiment=quickstart", "drafter.loss_on_prompt=true"], groups, experiment_drafter=experiment_drafter
-        )
-    # drafter= on the command line wins over the experiment's
-    check_overrides(
-        ["experiment=cpu_1h", "drafter=eagle", "drafter.init_from_target=true"],
-        groups,
-        experiment_drafter=experiment_drafter,
-    )
+        check("experiment=quickstart", "drafter.loss_on_prompt=true")
+    check("experiment=cpu_1h", "drafter=eagle", "drafter.init_from_target=true")  # drafter= wins over the experiment's
     res = _cli("stage=synth", "experiment=cpu_1h", "drafter.loss_on_promt=true")
     assert res.returncode == 2 and "Did you mean 'drafter.loss_on_prompt'" in res.stderr
 
