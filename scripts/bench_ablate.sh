@@ -6,6 +6,7 @@
 #        "decay1:drafter.ttt_decay=1.0" "clip1:train.max_grad_norm=1.0"
 # A variant named "base" with no overrides always runs first. SYNTH_DIR (default runs/<experiment>/synth) picks the
 # data; REUSE_BASE=1 keeps an existing base run (its train and eval already done with the same base overrides).
+# BASE_NAME (default base) names the baseline variant, so a new series of ablations does not overwrite an older base.
 # BASE_OVERRIDES (space-separated) are applied to every variant, base included. Prints a markdown table (tau with its 95% bootstrap interval over prompts, chain K=5 and the family's
 # tree, per source and overall; the paired difference to base over the same prompts; training seconds) and writes it to runs/<experiment>_<family>_ablate/table.md.
 set -euo pipefail
@@ -19,12 +20,13 @@ common=(experiment="$EXP" drafter="$FAMILY" "synth_dir=$SYNTH" wandb.mode=offlin
 python3 -m train stage=features "${common[@]}" "run_name=${EXP}_${FAMILY}_ablate"
 runs=()
 read -r -a base_ovr <<<"${BASE_OVERRIDES:-}"
-for spec in "base:" "$@"; do
+BASE_NAME=${BASE_NAME:-base}
+for spec in "$BASE_NAME:" "$@"; do
   name=${spec%%:*}
   read -r -a ovr <<<"${spec#*:}"
   ovr=("${base_ovr[@]}" "${ovr[@]}")
   run=${EXP}_${FAMILY}_abl_${name}
-  if [[ $name == base && ${REUSE_BASE:-0} == 1 && -f runs/$run/eval/metrics.json ]]; then
+  if [[ $name == "$BASE_NAME" && ${REUSE_BASE:-0} == 1 && -f runs/$run/eval/metrics.json ]]; then
     runs+=("runs/$run")
     continue
   fi

@@ -64,6 +64,9 @@ class TrainConfig(Choices):
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to lr * min_lr_ratio at max_steps."""
     max_grad_norm: float = 0.5
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the trainable weights (decay ``min(ema_decay, (1 + n) / (10 + n))``
+    after the n-th optimizer step) and save, check and publish the averaged weights; 0 = off."""
     max_seq_len: int = 1024
     """Training rows are cut to this many tokens."""
     bucket_size: int = 64

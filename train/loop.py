@@ -86,6 +86,10 @@ def validate_train(cfg: Config) -> None:
         errors.append("train.micro_batch_size and train.grad_accum must be >= 1")
     if t.lr <= 0:
         errors.append(f"train.lr={t.lr} must be > 0")
+    if not 0.0 <= t.ema_decay < 1.0:
+        errors.append(f"train.ema_decay={t.ema_decay} must be in [0, 1) (0 = no weight average)")
+    if t.ema_decay > 0 and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3:
+        errors.append("train.ema_decay needs whole parameters on every process: not with deepspeed.zero_stage=3")
     if cfg.drafter is None:
         errors.append(f"no drafter chosen: add drafter=<{'|'.join(registry.names())}>")
     if errors:
@@ -122,6 +126,35 @@ def lr_lambda(train: TrainConfig) -> Any:
         return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
+
+
+class WeightAverage:
+    """An exponential moving average of the drafter's trainable weights (``train.ema_decay``), by their names in
+    the unwrapped model. Registered with accelerate for checkpointing, so a resumed run continues the same average.
+    The decay ramps up as ``min(decay, (1 + n) / (10 + n))`` after n updates, so early weights fade quickly."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.updates = 0
+        self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for n, p in model.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].lerp_(p.detach().float(), 1.0 - d)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "updates": self.updates, "shadow": self.shadow}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state["shadow"]) != set(self.shadow):
+            raise CorruptCheckpointError("the checkpoint's weight average names other parameters than this drafter's")
+        self.updates = int(state["updates"])
+        for n, t in state["shadow"].items():
+            self.shadow[n].copy_(t)
 
 
 class Trainer:
@@ -180,6 +213,7 @@ class Trainer:
             kwargs_handlers=[InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")],
         )
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
+        self._rng_devices = [self.acc.device] if self.acc.device.type == "cuda" else []
         # accelerate builds a DeepSpeed engine only off the CPU (AcceleratorState: ACCELERATE_USE_DEEPSPEED and not
         # cpu). On a CPU the drafter trains with plain accelerate (DDP across processes): say so, and clip here.
         self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
@@ -243,6 +277,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
         self.model, self.opt = self.acc.prepare(model, opt)
         self.acc.register_for_checkpointing(self.scheduler)
+        self.ema: WeightAverage | None = None
+        if cfg.train.ema_decay > 0:
+            self.ema = WeightAverage(self.acc.unwrap_model(self.model), cfg.train.ema_decay)
+            self.acc.register_for_checkpointing(self.ema)
 
     def _setup_tracking(self, n_rows: int) -> None:
         cfg = self.cfg
@@ -391,7 +429,10 @@ class Trainer:
             gi = (self.step * cfg.grad_accum + a) * self.world + self.rank
             batch = self.plan.batch(gi, self.acc.device)
             feats = self._features(batch, self.plan.indices(gi))
-            with self.acc.accumulate(self.model):
+            # Randomness inside the loss (EAGLE-3's feature noise) is drawn from a generator seeded by the run's seed
+            # and the micro-batch index alone: the same after a resume, whatever else consumed the global generator.
+            with self.acc.accumulate(self.model), torch.random.fork_rng(devices=self._rng_devices):
+                torch.manual_seed(self.cfg.seed * 1_000_003 + gi)
                 loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
                 self.acc.backward(loss)
                 if self.acc.sync_gradients and not self.deepspeed and cfg.max_grad_norm > 0:
@@ -402,6 +443,8 @@ class Trainer:
             for k, v in {"loss": loss.detach(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.acc.unwrap_model(self.model))
         # The stop flag (a signal seen by any rank before this point) travels with the step's metrics, so every
         # rank decides to stop at the same step (signals reach the ranks at slightly different times).
         stop = float(self.stop_signal is not None)
@@ -418,6 +461,8 @@ class Trainer:
     def _drafter_copy(self) -> torch.nn.Module:
         """A plain (unwrapped, gathered under ZeRO-3) copy of the drafter for saving and decoding."""
         state = self.acc.get_state_dict(self.model)
+        if self.ema is not None:  # the averaged weights are what is saved, checked and published
+            state = {**state, **self.ema.shadow}
         copy = self.spec.build(self.cfg.drafter, self.target.model)
         if self.acc.is_main_process:
             copy.load_state_dict(

@@ -149,8 +149,8 @@ def test_eagle3_proposer_is_lossless_on_the_real_target(target, decode: str) -> 
     )
 
 
-def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
-    base = [
+def _train_args(synth_dir: Path) -> list[str]:
+    return [
         *SMALL_SYNTH,
         "stage=train",
         f"synth_dir={synth_dir}",
@@ -161,6 +161,10 @@ def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_
         "deepspeed=none",
         "train.lr=3e-3",
     ]
+
+
+def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+    base = _train_args(synth_dir)
     one = tmp_path / "one"
     _ok(_run([*base, f"hydra.run.dir={one}"], run_env))
     losses = _losses(one)
@@ -302,3 +306,57 @@ def test_loss_on_prompt_also_trains_at_prompt_positions(target) -> None:
         assert torch.allclose(loss, full, rtol=1e-5)
         counted[on_prompt] = int(metrics["tokens"])
     assert counted[False] == int(lm[:, 2:].sum()) and counted[True] == ids.shape[1] - 2
+
+
+def test_feature_noise_and_token_alignment_change_only_what_they_claim(target) -> None:
+    """drafter.feature_noise noises the target features in training only (eval: the noise-free loss);
+    drafter.ttt_align_topk drops later TTT steps' entries whose fed tokens fell outside the draft's top-k: with
+    every position counted and k as large as the draft vocabulary (every fed token is in it) nothing is dropped,
+    with k=1 on an untrained head most are, and the loss changes."""
+    from train.batches import Row
+    from train.drafters.eagle3 import loss_fn
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    ids = target.tokenizer("Question: what is two plus three? Answer: two plus three is five.", return_tensors="pt")
+    ids = ids.input_ids
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    am = torch.ones_like(ids)
+    batch = TrainBatch(ids, am, torch.cat([am[:, :8] * 0, am[:, 8:]], 1))
+    row = [Row(ids[0].tolist(), batch.loss_mask[0].tolist())]
+
+    def loss(train: bool, **kw) -> float:
+        spec, cfg, head = _head(target, draft_vocab_size=256, ttt_steps=3, **kw)
+        spec.prepare(head, row, cfg, target.model)
+        head.train(train)
+        torch.manual_seed(1)
+        return float(loss_fn(head, batch, feats, cfg)[0])
+
+    plain = loss(True)
+    assert loss(False, feature_noise=0.2) == plain
+    assert abs(loss(True, feature_noise=0.2) - plain) > 1e-4
+    # every position counted at every step (loss_on_prompt): only the top-k rule can drop an entry
+    every = loss(True, loss_on_prompt=True)
+    assert loss(True, loss_on_prompt=True, ttt_align_topk=256) == pytest.approx(every, rel=1e-6)
+    assert abs(loss(True, loss_on_prompt=True, ttt_align_topk=1) - every) > 1e-3
+
+
+def test_weight_average_is_what_is_saved_and_resumes_exactly(
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+) -> None:
+    """train.ema_decay: the saved drafter holds the averaged weights (not the optimizer's), the average is in the
+    checkpoint, and a run killed after a checkpoint and resumed ends with the same average."""
+    base = [*_train_args(synth_dir), "train.ema_decay=0.9"]
+    one = tmp_path / "one"
+    _ok(_run([*base, f"hydra.run.dir={one}"], run_env))
+    ckpt = one / "checkpoints" / "step-000006"
+    raw = load_file(str(ckpt / "state" / "model.safetensors"))
+    saved = load_file(str(ckpt / "drafter" / "model.safetensors"))
+    shadows = [torch.load(f, weights_only=True) for f in sorted((ckpt / "state").glob("custom_checkpoint_*.pkl"))]
+    shadow = next(s["shadow"] for s in shadows if "shadow" in s)
+    assert next(s["updates"] for s in shadows if "shadow" in s) == 6
+    for k in ("fc.weight", "midlayer.mlp.down_proj.weight"):
+        assert torch.allclose(saved[k].float(), shadow[k], atol=1e-7), k
+        assert not torch.allclose(saved[k].float(), raw[k].float(), atol=1e-5), k
+    assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)

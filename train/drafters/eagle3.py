@@ -80,6 +80,14 @@ class Eagle3Config(Choices):
     the next token is target-written (EAGLE, SpecForge, speculators). ``conf/drafter/eagle3.yaml`` (what
     ``drafter=eagle3`` composes) turns it on: it won at equal steps (BENCHMARKS); a config built in code keeps
     the narrower rule unless asked."""
+    feature_noise: float = 0.0
+    """Training only: Gaussian noise on each fused target layer, its std this fraction of the token's RMS in that
+    layer (EAGLE trains its feature head on noised target features, uniform +-0.1); 0 = none."""
+    ttt_align_topk: int = 0
+    """Training only: TTT step j >= 1 counts an entry only if every earlier step counted it and every token it was
+    fed at steps < j was among the draft's top ``ttt_align_topk`` at that step (GRIFFIN's token-alignable
+    training: a state that decoding never reaches, because an earlier draft missed, costs no capacity);
+    0 = every entry."""
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
@@ -355,7 +363,10 @@ def loss_fn(
     T = L - 1
     if T < 2:
         raise ValueError("EAGLE-3 training rows need at least 3 tokens")
-    fused = torch.cat([feats.layers[i][:, :T] for i in layer_ids], dim=-1)
+    parts = [feats.layers[i][:, :T] for i in layer_ids]
+    if cfg.feature_noise > 0 and head.training:
+        parts = [x + torch.randn_like(x) * (cfg.feature_noise * x.pow(2).mean(-1, keepdim=True).sqrt()) for x in parts]
+    fused = torch.cat(parts, dim=-1)
     dev = fused.device
     target_ids = core.target_ids().to(dev)
     # The target's distribution over the draft vocabulary at every position p that predicts a target-written
@@ -401,6 +412,7 @@ def loss_fn(
     past: list[KV] | None = None
     total = torch.zeros((), device=dev)
     metrics: dict[str, torch.Tensor] = {}
+    alive: torch.Tensor | None = None  # ttt_align_topk: entries whose fed tokens were all in the draft's top-k
     for j in range(cfg.ttt_steps):
         step_ids = ids_ext[:, 1 + j : 1 + j + T]
         keep = valid[:, j : j + T]  # entry t counts if x[t+j+2] is target-written and the target's top is drafted
@@ -416,13 +428,25 @@ def loss_fn(
                 h, kv = head(h, gather_rows(step_ids, sel), sel + j, past=past, mask=mask)
             keep, tp_j = gather_rows(keep, sel), gather_rows(tp_j, sel)
         past = kv  # the attention returns the earlier steps' keys/values followed by this step's
+        if alive is not None:
+            keep = keep & alive
         n = int(keep.sum())
         if n == 0:  # every process must report the same metric keys (they are all-reduced as one vector)
             metrics[f"acc_top1_pos{j + 1}"] = torch.tensor(0.0)
             metrics[f"loss_step{j + 1}"] = torch.tensor(0.0)
+            if cfg.ttt_align_topk > 0:
+                alive = torch.zeros_like(keep)
             continue
         d_logp = torch.log_softmax(core.draft_logits(h[keep]).float(), -1)
         tp = tp_j[keep]
+        if cfg.ttt_align_topk > 0 and j + 1 < cfg.ttt_steps:
+            with torch.no_grad():  # the token fed at step j+1 is this step's label, x[t+j+2]
+                fed = ids_ext[:, 2 + j : 2 + j + T]
+                fed = fed if sel is None else gather_rows(fed, sel)
+                k = min(cfg.ttt_align_topk, d_logp.shape[-1])
+                top = target_ids[d_logp.topk(k, dim=-1).indices]
+                alive = torch.zeros_like(keep)
+                alive[keep] = (top == fed[keep][:, None]).any(-1)
         step_loss = -(tp * d_logp).sum() / n
         total = total + cfg.ttt_decay**j * step_loss
         with torch.no_grad():
