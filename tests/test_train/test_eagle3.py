@@ -282,11 +282,7 @@ def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_a
     assert torch.allclose(_draft_rows(lm_head, x, head.target_ids()), lm_head(x)[:, head.target_ids()], atol=1e-4)
 
 
-def test_loss_on_prompt_also_trains_at_prompt_positions(target) -> None:
-    """drafter.loss_on_prompt: every real position counts (the target's distribution after each prompt token),
-    not only target-written ones; the unroll then covers every entry and still equals the full unroll."""
-    from train.batches import Row
-    from train.drafters.eagle3 import loss_fn
+def _question_row(target):  # -> (ids [1, L], TrainBatch with an 8-token prompt, TargetFeatures of layers 2/15/27/30)
     from train.drafters.registry import TargetFeatures, TrainBatch
 
     ids = target.tokenizer("Question: what is two plus three? Answer: two plus three is five.", return_tensors="pt")
@@ -295,8 +291,17 @@ def test_loss_on_prompt_also_trains_at_prompt_positions(target) -> None:
         hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
     feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
     am = torch.ones_like(ids)
-    lm = torch.cat([am[:, :8] * 0, am[:, 8:]], 1)
-    batch = TrainBatch(ids, am, lm)
+    return ids, TrainBatch(ids, am, torch.cat([am[:, :8] * 0, am[:, 8:]], 1)), feats
+
+
+def test_loss_on_prompt_also_trains_at_prompt_positions(target) -> None:
+    """drafter.loss_on_prompt: every real position counts (the target's distribution after each prompt token),
+    not only target-written ones; the unroll then covers every entry and still equals the full unroll."""
+    from train.batches import Row
+    from train.drafters.eagle3 import loss_fn
+
+    ids, batch, feats = _question_row(target)
+    lm = batch.loss_mask
     counted = {}
     for on_prompt in (False, True):
         spec, cfg, head = _head(target, draft_vocab_size=256, ttt_steps=2, loss_on_prompt=on_prompt)
@@ -315,15 +320,8 @@ def test_feature_noise_and_token_alignment_change_only_what_they_claim(target) -
     with k=1 on an untrained head most are, and the loss changes."""
     from train.batches import Row
     from train.drafters.eagle3 import loss_fn
-    from train.drafters.registry import TargetFeatures, TrainBatch
 
-    ids = target.tokenizer("Question: what is two plus three? Answer: two plus three is five.", return_tensors="pt")
-    ids = ids.input_ids
-    with torch.no_grad():
-        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
-    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
-    am = torch.ones_like(ids)
-    batch = TrainBatch(ids, am, torch.cat([am[:, :8] * 0, am[:, 8:]], 1))
+    ids, batch, feats = _question_row(target)
     row = [Row(ids[0].tolist(), batch.loss_mask[0].tolist())]
 
     def loss(train: bool, **kw) -> float:
@@ -331,7 +329,7 @@ def test_feature_noise_and_token_alignment_change_only_what_they_claim(target) -
         spec.prepare(head, row, cfg, target.model)
         head.train(train)
         torch.manual_seed(1)
-        return float(loss_fn(head, batch, feats, cfg)[0])
+        return float(loss_fn(head, batch, feats, cfg)[0].detach())
 
     plain = loss(True)
     assert loss(False, feature_noise=0.2) == plain
