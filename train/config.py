@@ -69,6 +69,9 @@ class TrainConfig(Choices):
     after the n-th optimizer step) and save, check and publish the averaged weights; 0 = off."""
     max_seq_len: int = 1024
     """Training rows are cut to this many tokens."""
+    max_rows: int | None = None
+    """Train on N rows of the synth data drawn at random (seeded by ``seed``; None: all): the data-volume axis of
+    a scaling study (``scripts/bench_scaling.py``) on one synth run, whose precomputed features cover every row."""
     bucket_size: int = 64
     """Rows are sorted by length within windows of bucket_size * micro_batch_size (length bucketing)."""
     features: FeatureSource = FeatureSource.online

@@ -77,6 +77,13 @@ def deepspeed_dict(ds: DeepSpeedConfig, train: TrainConfig, bf16: bool) -> dict[
     return out
 
 
+def subset_rows(n_rows: int, k: int, seed: int) -> list[int]:
+    """``train.max_rows``: ``k`` of ``n_rows`` row indices drawn at random (seeded; in data order), so that a
+    smaller data volume keeps the mix of sources, which the synth chunks store one after another."""
+    g = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(n_rows, generator=g)[:k].tolist())
+
+
 def validate_train(cfg: Config) -> None:
     t = cfg.train
     errors = []
@@ -86,6 +93,8 @@ def validate_train(cfg: Config) -> None:
         errors.append("train.micro_batch_size and train.grad_accum must be >= 1")
     if t.lr <= 0:
         errors.append(f"train.lr={t.lr} must be > 0")
+    if t.max_rows is not None and t.max_rows < 1:
+        errors.append(f"train.max_rows={t.max_rows} must be >= 1 (or null: every row)")
     if not 0.0 <= t.ema_decay < 1.0:
         errors.append(f"train.ema_decay={t.ema_decay} must be in [0, 1) (0 = no weight average)")
     if t.ema_decay > 0 and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3:
@@ -255,6 +264,15 @@ class Trainer:
                 len(rows),
                 cfg.train.max_seq_len,
             )
+        self.row_ids = list(range(len(rows)))  # plan index -> row index in the synth data (and the features)
+        if cfg.train.max_rows is not None:
+            if cfg.train.max_rows > len(rows):
+                raise ConfigError(
+                    f"train.max_rows={cfg.train.max_rows} but {cfg.synth_dir} has only {len(rows)} training rows"
+                )
+            self.row_ids = subset_rows(len(rows), cfg.train.max_rows, cfg.seed)
+            logger.info("training on %d of %d rows, drawn at random (train.max_rows)", cfg.train.max_rows, len(rows))
+            rows = [rows[i] for i in self.row_ids]
         self.plan = BatchPlan(
             rows, cfg.train.micro_batch_size, cfg.train.bucket_size, cfg.seed, self.target.tokenizer.pad_token_id
         )
@@ -403,7 +421,7 @@ class Trainer:
         B, L = batch.input_ids.shape
         if self.store is not None:
             layers: dict[int, torch.Tensor] = {}
-            per_row = [self.store.get(i) for i in row_ids]
+            per_row = [self.store.get(self.row_ids[i]) for i in row_ids]
             for layer in self.feature_layers:
                 t = torch.zeros(B, L, per_row[0][layer].shape[-1], dtype=per_row[0][layer].dtype)
                 for b, feats in enumerate(per_row):
@@ -623,6 +641,7 @@ class Trainer:
             "best": self.best,
             "trainable_parameters": self.n_trainable,
             "drafter_data": self.drafter_info,
+            "train_rows": len(self.plan.rows),
             "world_size": self.world,
             "engine": self.engine,
             "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),

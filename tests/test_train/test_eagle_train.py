@@ -96,6 +96,17 @@ def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path,
     _ok(_run([*base, f"hydra.run.dir={online}"], run_env))
     _ok(_run([*base, f"hydra.run.dir={pre}", "train.features=precomputed", f"train.features_dir={feats}"], run_env))
     assert _losses(pre) == pytest.approx(_losses(online), rel=1e-4)
+    # train.max_rows (the scaling study's data-volume axis): the same features, only the first rows are trained on
+    sub = tmp_path / "sub"
+    pre_features = ["train.features=precomputed", f"train.features_dir={feats}"]
+    out = _ok(_run([*base, f"hydra.run.dir={sub}", *pre_features, "train.max_rows=2"], run_env))
+    assert "training on 2 of 12 rows, drawn at random" in out and "2 rows, 1 micro-batches/epoch" in out
+    assert json.loads((sub / "manifest.json").read_text())["result"]["train_rows"] == 2
+    assert json.loads((pre / "manifest.json").read_text())["result"]["train_rows"] == 12
+    assert _losses(sub) != pytest.approx(_losses(pre), rel=1e-4)  # other rows, other losses
+    proc = _run([*base, f"hydra.run.dir={tmp_path / 'too_many'}", *pre_features, "train.max_rows=13"], run_env)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode != 0 and "train.max_rows=13 but" in out and "has only 12 training rows" in out
 
 
 def test_gradient_clipping_applies_on_cpu(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
