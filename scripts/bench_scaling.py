@@ -27,18 +27,18 @@ Each step is a subprocess, run one after the other; ``--reuse`` keeps rows whose
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_vs_peer import read_json, run  # noqa: E402  (one subprocess runner for the benchmark scripts)
 
 logger = logging.getLogger("bench_scaling")
 
@@ -48,27 +48,7 @@ class Row:
     label: str
     run_dir: Path
     overrides: list[str] = field(default_factory=list)
-    max_rows: int | None = None
     included: bool = False
-
-
-def run(cmd: list[str], log: Path) -> float:
-    """Run ``cmd`` (output to ``log``); its wall seconds. A failure stops the study."""
-    logger.info("$ %s", " ".join(cmd))
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with log.open("w", encoding="utf-8") as fh:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, check=False)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise SystemExit(f"failed (exit {proc.returncode}) after {seconds:.0f} s: {' '.join(cmd)}\n{tail}")
-    logger.info("done in %.0f s (log %s)", seconds, log)
-    return seconds
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def parse_pair(text: str, what: str) -> tuple[str, str]:
@@ -274,7 +254,7 @@ def main() -> None:
             n = max(1, round(frac * len(seq)))
             label = f"rows{n}_steps{steps}"
             rows.append(Row(label, runs_root / f"{args.name}_{label}",
-                            [f"train.max_rows={n}", f"train.max_steps={steps}"], n))  # fmt: skip
+                            [f"train.max_rows={n}", f"train.max_steps={steps}"]))  # fmt: skip
     for spec in args.row:
         label, rest = parse_pair(spec, "--row")
         rows.append(Row(label, runs_root / f"{args.name}_{label}", rest.split(",")))
