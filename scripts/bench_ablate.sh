@@ -7,6 +7,8 @@
 # A variant named "base" with no overrides always runs first. SYNTH_DIR (default runs/<experiment>/synth) picks the
 # data; REUSE_BASE=1 keeps an existing base run (its train and eval already done with the same base overrides).
 # BASE_NAME (default base) names the baseline variant, so a new series of ablations does not overwrite an older base.
+# FEATURES_DIR (default: computed into runs/<experiment>_<family>_ablate/features) reuses a feature store, e.g. one made
+# with more target layers (stage=features drafter.layer_ids=[...]) so that variants may fuse different layers.
 # BASE_OVERRIDES (space-separated) are applied to every variant, base included. Prints a markdown table (tau with its 95% bootstrap interval over prompts, chain K=5 and the family's
 # tree, per source and overall; the paired difference to base over the same prompts; training seconds) and writes it to runs/<experiment>_<family>_ablate/table.md.
 set -euo pipefail
@@ -17,7 +19,10 @@ shift 2
 SYNTH=${SYNTH_DIR:-runs/$EXP/synth}
 BASE=runs/${EXP}_${FAMILY}_ablate
 common=(experiment="$EXP" drafter="$FAMILY" "synth_dir=$SYNTH" wandb.mode=offline)
-python3 -m train stage=features "${common[@]}" "run_name=${EXP}_${FAMILY}_ablate"
+FEATS=${FEATURES_DIR:-$BASE/features}
+if [[ -z ${FEATURES_DIR:-} ]]; then
+  python3 -m train stage=features "${common[@]}" "run_name=${EXP}_${FAMILY}_ablate"
+fi
 runs=()
 read -r -a base_ovr <<<"${BASE_OVERRIDES:-}"
 BASE_NAME=${BASE_NAME:-base}
@@ -30,7 +35,7 @@ for spec in "$BASE_NAME:" "$@"; do
     runs+=("runs/$run")
     continue
   fi
-  python3 -m train stage=train "${common[@]}" "run_name=$run" "train.features_dir=$BASE/features" overwrite=true "${ovr[@]}"
+  python3 -m train stage=train "${common[@]}" "run_name=$run" "train.features_dir=$FEATS" overwrite=true "${ovr[@]}"
   python3 -m train stage=eval "${common[@]}" "run_name=$run" eval.mode=replay "eval.proposers=[drafter]" overwrite=true
   runs+=("runs/$run")
 done

@@ -191,6 +191,28 @@ def setup_runtime(cfg: Config) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     threads = cfg.runtime.num_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    if cfg.runtime.keep_freed_memory:
+        keep_freed_memory()
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Large allocations from the heap, freed memory kept for reuse (``runtime.keep_freed_memory``); False where
+    the C library is not glibc (nothing changes there)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    logger.debug("glibc malloc: large allocations from the heap, freed memory kept (%s)", ok)
+    return ok
 
 
 register_configs()

@@ -46,6 +46,14 @@ from train.features import FeatureStore
 logger = logging.getLogger(__name__)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX-512 BF16), where a bf16 autocast
+    trains faster than float32 (measured: BENCHMARKS, "bf16 autocast on CPU")."""
+    cpu = getattr(torch, "cpu", None)
+    probes = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(bool(f()) for f in probes if callable(f))
+
+
 def deepspeed_dict(ds: DeepSpeedConfig, train: TrainConfig, bf16: bool) -> dict[str, Any]:
     """The DeepSpeed config, built from the Hydra config (the only source of these settings)."""
     if ds.zero_stage not in (0, 1, 2, 3):
@@ -210,6 +218,11 @@ class Trainer:
         cfg = self.cfg
         cuda = torch.cuda.is_available() and cfg.target.device != "cpu"
         self.bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and cuda)
+        if self.bf16 and not cuda and not cpu_has_bf16_matmul():
+            logger.warning(
+                "train.dtype=bfloat16 on a CPU without AMX or AVX-512 BF16: bf16 products are emulated there and "
+                "usually slower than float32; set train.dtype=float32"
+            )
         _ensure_dist_env()
         plugin = None
         if cfg.deepspeed.enabled:
@@ -451,7 +464,10 @@ class Trainer:
             # and the micro-batch index alone: the same after a resume, whatever else consumed the global generator.
             with self.acc.accumulate(self.model), torch.random.fork_rng(devices=self._rng_devices):
                 torch.manual_seed(self.cfg.seed * 1_000_003 + gi)
-                loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
+                # the whole loss under autocast (bf16 runs), not only the wrapped module's forward: the heads' own
+                # logits (EAGLE-3's draft LM head is called outside forward) are most of a step's arithmetic
+                with self.acc.autocast():
+                    loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
                 self.acc.backward(loss)
                 if self.acc.sync_gradients and not self.deepspeed and cfg.max_grad_norm > 0:
                     self.acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)

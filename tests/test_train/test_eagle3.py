@@ -180,6 +180,46 @@ def test_eagle3_trains_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_
     assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)
 
 
+def test_bf16_autocast_runs_the_draft_in_bf16_and_keeps_the_teacher_in_float32(target) -> None:
+    """Under a bf16 autocast (what train.dtype=bfloat16 puts around the loss), the draft's vocabulary-wide products
+    (its LM head, called outside the module's forward) run in bf16, while the teacher's projection onto the draft
+    vocabulary stays float32; the loss is close to the float32 one but not equal."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from train.batches import Row
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    spec, cfg, head = _head(target, draft_vocab_size=512, ttt_steps=2, loss_all_positions=True)
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
+    spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg, target.model)
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    mask = torch.ones_like(ids)
+    batch = TrainBatch(ids, mask, torch.cat([mask[:, :4] * 0, mask[:, 4:]], 1))
+
+    class Products(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[torch.dtype, int]] = []  # (dtype, output width) of every matrix product
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                self.seen.append((out.dtype, int(out.shape[-1])))
+            return out
+
+    with torch.no_grad():
+        ref = float(spec.loss(head, batch, feats, cfg)[0])
+    products = Products()
+    with products, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = float(spec.loss(head, batch, feats, cfg)[0])
+    vocab_wide = [dt for dt, width in products.seen if width == 512]
+    # the teacher's projection (once) in float32, the draft's LM head (once per TTT step) in bf16
+    assert vocab_wide.count(torch.float32) == 1 and vocab_wide.count(torch.bfloat16) == cfg.ttt_steps, vocab_wide
+    assert got != ref and got == pytest.approx(ref, rel=2e-2)
+
+
 def test_frozen_draft_lm_head_keeps_the_targets_rows(target) -> None:
     """drafter.freeze_lm_head: the draft LM head holds the target's rows of the draft vocabulary and gets no
     gradient (the optimizer only sees parameters that require one); everything else still trains."""
@@ -201,6 +241,74 @@ def test_frozen_draft_lm_head_keeps_the_targets_rows(target) -> None:
     loss.backward()
     assert head.lm_head.weight.grad is None
     assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+
+
+def test_norm_from_target_makes_the_initial_draft_logits_the_targets(target) -> None:
+    """drafter.init_norm_from_target: the head's final norm starts at the target's, so that at initialisation the
+    draft logits of a pre-norm feature are the target's own logits on the draft vocabulary (the LM head starts at
+    the target's rows); by default the norm starts at ones and they are not. A target without a final norm is
+    refused with a clear error."""
+    from data.config import ConfigError
+    from train.drafters.eagle3 import final_norm
+
+    tnorm = final_norm(target.model)
+    h = torch.randn(2, 5, target.model.config.hidden_size) * 3
+    with torch.no_grad():
+        want = target.model.get_output_embeddings()(tnorm(h))
+    for flag in (True, False):
+        spec, _cfg, head = _head(target, draft_vocab_size=512, init_norm_from_target=flag, norm_output=False)
+        with torch.no_grad():
+            got = head.draft_logits(h)
+        close = torch.allclose(got, want[..., head.target_ids()], atol=1e-4, rtol=1e-4)
+        assert close == flag
+        assert torch.equal(head.norm.weight, tnorm.weight if flag else torch.ones_like(tnorm.weight))
+
+    class NoNorm(torch.nn.Module):
+        config = target.model.config
+
+        def get_decoder(self) -> torch.nn.Module:
+            return torch.nn.Identity()
+
+        def get_input_embeddings(self) -> torch.nn.Module:
+            return target.model.get_input_embeddings()
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return target.model.get_output_embeddings()
+
+    with pytest.raises(ConfigError, match="final norm"):
+        spec.build(spec.config_cls(draft_vocab_size=512, init_norm_from_target=True), NoNorm())
+
+
+@pytest.mark.parametrize("loss_all_positions", [False, True])
+def test_teacher_temperature_divides_the_targets_logits(target, loss_all_positions: bool) -> None:
+    """drafter.teacher_temperature=T: the loss at T equals the loss at 1 against a target whose LM head is divided
+    by T (the teacher is softmax(logits / T)); it differs from T=1, and T <= 0 is refused."""
+    from data.config import ConfigError
+    from train.batches import Row
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    lm_head = target.model.get_output_embeddings()
+    scaled = torch.nn.Linear(lm_head.in_features, lm_head.out_features, bias=False)
+    with torch.no_grad():
+        scaled.weight.copy_(lm_head.weight / 0.5)
+    mask = torch.ones_like(ids)
+    batch = TrainBatch(ids, mask, torch.cat([mask[:, :4] * 0, mask[:, 4:]], 1))
+    losses = {}
+    for name, temp, head_ in (("t05", 0.5, lm_head), ("scaled", 1.0, scaled), ("t1", 1.0, lm_head)):
+        spec, cfg, head = _head(
+            target, draft_vocab_size=512, ttt_steps=2, teacher_temperature=temp, loss_all_positions=loss_all_positions
+        )
+        spec.prepare(head, [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))], cfg, target.model)
+        feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, head_)
+        with torch.no_grad():
+            losses[name] = float(spec.loss(head, batch, feats, cfg)[0])
+    assert losses["t05"] == pytest.approx(losses["scaled"], rel=1e-5)
+    assert abs(losses["t05"] - losses["t1"]) > 1e-3
+    with pytest.raises(ConfigError, match="teacher_temperature"):
+        spec.build(spec.config_cls(teacher_temperature=0.0), target.model)
 
 
 def test_loss_all_positions_also_trains_where_the_target_top_is_outside_the_draft_vocabulary(target) -> None:

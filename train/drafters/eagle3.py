@@ -44,7 +44,7 @@ from data.config import Choices, ConfigError
 from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from eval.shared_past import SharedPast
-from train.drafters.layers import KV, DraftAttention, gather_rows
+from train.drafters.layers import KV, DraftAttention, gather_rows, soft_cross_entropy
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
 
@@ -83,11 +83,18 @@ class Eagle3Config(Choices):
     feature_noise: float = 0.0
     """Training only: Gaussian noise on each fused target layer, its std this fraction of the token's RMS in that
     layer (EAGLE trains its feature head on noised target features, uniform +-0.1); 0 = none."""
+    teacher_temperature: float = 1.0
+    """Training only: the target's distribution the loss matches is ``softmax(logits / teacher_temperature)``; below
+    1 it is sharpened towards the target's top token (what greedy verification accepts), 1 = the distribution
+    itself (what lossless sampling accepts)."""
     ttt_align_topk: int = 0
     """Training only: TTT step j >= 1 counts an entry only if every earlier step counted it and every token it was
     fed at steps < j was among the draft's top ``ttt_align_topk`` at that step (GRIFFIN's token-alignable
     training: a state that decoding never reaches, because an earlier draft missed, costs no capacity);
     0 = every entry."""
+    init_norm_from_target: bool = False
+    """Start the head's final norm (``norm``, in front of the draft LM head) at the target's final norm weights
+    instead of ones: the draft LM head starts at the target's rows, which expect features scaled by that norm."""
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
@@ -253,16 +260,33 @@ class Eagle3Head(nn.Module):
         return out
 
 
+def final_norm(target: Any) -> nn.Module:
+    """The target's final norm (the module in front of its LM head), for a Llama-style decoder."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
+    norm = getattr(decoder, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (target.config.hidden_size,):
+        raise ConfigError(
+            "drafter.init_norm_from_target=true needs a Llama-style target with a final norm (model.norm) of the "
+            f"hidden size; {type(target).__name__} has none"
+        )
+    return norm
+
+
 def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
     tcfg = target.config
     layer_ids = resolve_layer_ids(cfg, tcfg)
     if cfg.ttt_steps < 1:
         raise ConfigError(f"drafter.ttt_steps={cfg.ttt_steps} must be >= 1")
+    if not cfg.teacher_temperature > 0:
+        raise ConfigError(f"drafter.teacher_temperature={cfg.teacher_temperature} must be > 0")
     vd = draft_vocab(cfg, tcfg)
     head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(cfg))
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[:vd])
+        if cfg.init_norm_from_target:
+            head.norm.weight.copy_(final_norm(target).weight)
     head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     return head.to(next(target.parameters()).dtype)
 
@@ -374,24 +398,30 @@ def loss_fn(
     # position p = 1..L-2 predicts x[p+1]
     need = (am[:, 2:] if cfg.loss_on_prompt else lm[:, 2:] * am[:, 2:]).bool()
     rows = torch.nonzero(need)  # (b, p-1)
-    t_p = torch.zeros(B, L + cfg.ttt_steps, target_ids.numel(), device=dev)
+    # the teacher rows, one per position that needs one, and which row each (b, position) has (-1: none)
+    t_rows = torch.zeros(0, target_ids.numel(), device=dev)
+    t_idx = torch.full((B, L + cfg.ttt_steps), -1, dtype=torch.long, device=dev)
+    t_idx[rows[:, 0], rows[:, 1] + 1] = torch.arange(rows.shape[0], device=dev)
     in_vocab = torch.zeros(B, L, dtype=torch.bool, device=dev)
     coverage: torch.Tensor | None = None
+    tt = float(cfg.teacher_temperature)
     if rows.numel():
-        with torch.no_grad():
+        # the teacher in the features' own precision, also under a bf16 autocast
+        with torch.no_grad(), torch.autocast(dev.type, enabled=False):
             x_last = feats.last[rows[:, 0], rows[:, 1] + 1]
             if cfg.loss_all_positions:
                 # Only the draft vocabulary's rows of the target's LM head are needed for the loss (8,192 of
                 # 49,152 for the default: the full projection was ~a fifth of a training step's arithmetic).
                 # Whether the target's top token is in the draft vocabulary is only a metric then, estimated
                 # from the first COVERAGE_SAMPLE positions of the batch.
-                t_p[rows[:, 0], rows[:, 1] + 1] = torch.softmax(_draft_rows(feats.lm_head, x_last, target_ids), -1)
+                t_rows = torch.softmax(_draft_rows(feats.lm_head, x_last, target_ids) / tt, -1)
                 top = feats.lm_head(x_last[:COVERAGE_SAMPLE]).argmax(-1)
                 coverage = core.t2d.to(dev)[top].float().mean()
             else:
                 logits = feats.lm_head(x_last).float()
                 in_vocab[rows[:, 0], rows[:, 1] + 1] = core.t2d.to(dev)[logits.argmax(-1)]
-                t_p[rows[:, 0], rows[:, 1] + 1] = torch.softmax(logits[:, target_ids], -1)
+                t_rows = torch.softmax(logits[:, target_ids] / tt, -1)
+    t_top = t_rows.argmax(-1) if t_rows.shape[0] else torch.zeros(0, dtype=torch.long, device=dev)
     pad = torch.full((B, cfg.ttt_steps + 1), int(ids[0, -1]), dtype=ids.dtype, device=dev)
     ids_ext = torch.cat([ids, pad], dim=1)
     counted = need if cfg.loss_all_positions else need & in_vocab[:, 1:-1]
@@ -416,7 +446,7 @@ def loss_fn(
     for j in range(cfg.ttt_steps):
         step_ids = ids_ext[:, 1 + j : 1 + j + T]
         keep = valid[:, j : j + T]  # entry t counts if x[t+j+2] is target-written and the target's top is drafted
-        tp_j = t_p[:, 1 + j : 1 + j + T]
+        idx_j = t_idx[:, 1 + j : 1 + j + T]
         if sel is None:
             mask = ttt_mask(T, j, dev)[None, None]
             h, kv = head(h, step_ids, pos + j, past=past, mask=mask)
@@ -426,7 +456,7 @@ def loss_fn(
                 h, kv = head(h, step_ids, pos, past=past, mask=mask, queries=sel)
             else:
                 h, kv = head(h, gather_rows(step_ids, sel), sel + j, past=past, mask=mask)
-            keep, tp_j = gather_rows(keep, sel), gather_rows(tp_j, sel)
+            keep, idx_j = gather_rows(keep, sel), gather_rows(idx_j, sel)
         past = kv  # the attention returns the earlier steps' keys/values followed by this step's
         if alive is not None:
             keep = keep & alive
@@ -437,20 +467,22 @@ def loss_fn(
             if cfg.ttt_align_topk > 0:
                 alive = torch.zeros_like(keep)
             continue
-        d_logp = torch.log_softmax(core.draft_logits(h[keep]).float(), -1)
-        tp = tp_j[keep]
+        d_logits = core.draft_logits(h[keep])
+        tp_ix = idx_j[keep]
         if cfg.ttt_align_topk > 0 and j + 1 < cfg.ttt_steps:
             with torch.no_grad():  # the token fed at step j+1 is this step's label, x[t+j+2]
                 fed = ids_ext[:, 2 + j : 2 + j + T]
                 fed = fed if sel is None else gather_rows(fed, sel)
-                k = min(cfg.ttt_align_topk, d_logp.shape[-1])
-                top = target_ids[d_logp.topk(k, dim=-1).indices]
+                k = min(cfg.ttt_align_topk, d_logits.shape[-1])
+                top = target_ids[d_logits.topk(k, dim=-1).indices]
                 alive = torch.zeros_like(keep)
                 alive[keep] = (top == fed[keep][:, None]).any(-1)
-        step_loss = -(tp * d_logp).sum() / n
+        # cross-entropy against the teacher's rows, fused (the vocabulary-wide passes were most of a CPU step)
+        ce_sum, d_top = soft_cross_entropy(d_logits, t_rows[tp_ix])
+        step_loss = ce_sum / n
         total = total + cfg.ttt_decay**j * step_loss
         with torch.no_grad():
-            acc = (d_logp.argmax(-1) == tp.argmax(-1)).float().mean()
+            acc = (d_top == t_top[tp_ix]).float().mean()
         metrics[f"acc_top1_pos{j + 1}"] = acc
         metrics[f"loss_step{j + 1}"] = step_loss.detach()
         if j == 0:

@@ -127,3 +127,46 @@ class DraftLayer(nn.Module):
         h = residual + h
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """``sum_i -(target_i . log_softmax(logits_i))`` in one pass over the vocabulary and one back.
+
+    Written out because, on a CPU, the vocabulary-wide elementwise passes of the composite (a float copy,
+    ``log_softmax``, a product with the target, its sum, then the backward of each) cost more than the head's
+    matrix products: the loss is ``sum_i (lse_i * sum(target_i)) - target . logits`` (a dot product, no product
+    tensor), the exponentials of the forward are kept for the backward, ``(softmax_i * sum(target_i) -
+    target_i) * grad``. The row argmax comes free with the row max."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        work = torch.promote_types(logits.dtype, torch.float32)  # bf16 / fp16 logits are summed in float32
+        z = logits.to(work)
+        zmax, top = z.max(-1, keepdim=True)
+        e = (z - zmax).exp_()
+        s = e.sum(-1, keepdim=True)
+        t = target.to(work)
+        tsum = t.sum(-1, keepdim=True)
+        lse = zmax + s.log()
+        loss = (lse * tsum).sum() - torch.dot(t.reshape(-1), z.reshape(-1))
+        ctx.save_for_backward(e, s, t, tsum)
+        ctx.in_dtype = logits.dtype
+        ctx.mark_non_differentiable(top)
+        return loss, top.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _grad_top: torch.Tensor | None) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        e, s, t, tsum = ctx.saved_tensors
+        g = torch.mul(e, tsum / s).sub_(t).mul_(grad)
+        return g.to(ctx.in_dtype), None
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum over rows of -(target . log_softmax(logits)) in float32, argmax of each row)`` for ``[N, V]``
+    logits (any float dtype; the gradient comes back in it) and a ``[N, V]`` float target distribution (no
+    gradient). Equal to the composite up to float rounding (tests)."""
+    if logits.shape != target.shape or logits.dim() != 2:
+        shapes = f"{tuple(logits.shape)} and {tuple(target.shape)}"
+        raise ValueError(f"soft_cross_entropy wants two [N, V] tensors, got {shapes}")
+    loss, top = _SoftCrossEntropy.apply(logits, target.detach())
+    return loss, top
