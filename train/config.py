@@ -39,6 +39,11 @@ class TrainDtype(Choice):
     bfloat16 = "bfloat16"
 
 
+class OptimizerName(Choice):
+    adamw = "adamw"
+    muon = "muon"
+
+
 class CheckMode(Choice):
     replay = "replay"
     decode = "decode"
@@ -64,6 +69,14 @@ class TrainConfig(Choices):
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to lr * min_lr_ratio at max_steps."""
     max_grad_norm: float = 0.5
+    optimizer: OptimizerName = OptimizerName.adamw
+    """adamw | muon: Muon (torch.optim.Muon's math) on the trainable 2-D hidden matrices, AdamW (lr, betas,
+    weight_decay above) on embeddings, vocabulary projections, norms and vectors (speculators' default split)."""
+    muon_lr: float | None = None
+    """The Muon group's peak learning rate (None: ``lr``), scaled per matrix by 0.2 * sqrt(max side) so that its
+    updates have AdamW's size; the schedule scales both groups alike."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
     ema_decay: float = 0.0
     """Keep an exponential moving average of the trainable weights (decay ``min(ema_decay, (1 + n) / (10 + n))``
     after the n-th optimizer step) and save, check and publish the averaged weights; 0 = off."""

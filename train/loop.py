@@ -42,6 +42,7 @@ from train.config import Config, DeepSpeedConfig, TrainConfig
 from train.drafters import registry
 from train.drafters.registry import TargetFeatures
 from train.features import FeatureStore
+from train.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -300,11 +301,12 @@ class Trainer:
         if self.spec.prepare is not None:
             self.drafter_info = self.spec.prepare(model, rows, cfg.drafter, self.target.model)
             logger.info("drafter data: %s", self.drafter_info)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.n_trainable = sum(p.numel() for p in params)
-        opt = torch.optim.AdamW(
-            params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=cfg.train.weight_decay
-        )
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        try:
+            opt, opt_line = build_optimizer(model, cfg.train, self.acc.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        logger.info("optimizer: %s", opt_line)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
         self.model, self.opt = self.acc.prepare(model, opt)
         self.acc.register_for_checkpointing(self.scheduler)
