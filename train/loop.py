@@ -303,7 +303,7 @@ class Trainer:
             logger.info("drafter data: %s", self.drafter_info)
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         try:
-            opt, opt_line = build_optimizer(model, cfg.train, self.acc.device)
+            opt, opt_line = build_optimizer(model, cfg.train, self.acc.device, self.deepspeed)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         logger.info("optimizer: %s", opt_line)

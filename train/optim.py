@@ -17,15 +17,13 @@ on a CPU. ``tests/test_train/test_optim.py`` checks both groups step for step ag
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
+from torch.optim.adamw import adamw
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic; torch.optim.Muon's defaults
 NS_EPS = 1e-7
@@ -138,31 +136,37 @@ class MuonAdamW(torch.optim.Optimizer):
             p.add_(update.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape[0], p.shape[1])))
 
     def _adamw(self, group: dict[str, Any]) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        b1, b2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        """torch's own single-tensor AdamW on the group, its state kept as torch.optim.AdamW keeps it."""
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            t = float(state["step"])
-            p.mul_(1 - lr * wd)
-            state["exp_avg"].lerp_(p.grad, 1 - b1)
-            state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**t))
+        states = [self.state[p] for p in params]
+        b1, b2 = group["betas"]
+        adamw(
+            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+            [s["step"] for s in states], foreach=False, amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )  # fmt: skip
 
 
-def build_optimizer(model: nn.Module, tcfg: Any, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
-    """The optimizer ``train.optimizer`` names over the model's trainable parameters, and a line for the log."""
+def build_optimizer(
+    model: nn.Module, tcfg: Any, device: torch.device, deepspeed: bool = False
+) -> tuple[torch.optim.Optimizer, str]:
+    """The optimizer ``train.optimizer`` names over the model's trainable parameters, and a line for the log.
+    ``deepspeed``: a DeepSpeed engine will wrap it (ZeRO hands the optimizer flat 1-D shards, not matrices)."""
     betas = (tcfg.beta1, tcfg.beta2)
     if str(tcfg.optimizer) == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay), "AdamW"
+    if deepspeed:
+        raise ValueError(
+            "train.optimizer=muon needs whole weight matrices, but DeepSpeed ZeRO flattens and shards the parameters "
+            "it gives the optimizer: use deepspeed=none (DDP across processes) with Muon, or train.optimizer=adamw"
+        )
     muon, adamw, names = split_for_muon(model)
     if not muon:
         raise ValueError("train.optimizer=muon: this drafter has no trainable 2-D hidden matrix for Muon")

@@ -17,7 +17,8 @@ from tests.test_train.runs import assert_kill_resume_exact
 from tests.test_train.runs import losses as _losses
 from tests.test_train.runs import ok as _ok
 from tests.test_train.runs import run_train as _run
-from train.optim import MuonAdamW, orthogonalise, split_for_muon
+from train.config import TrainConfig
+from train.optim import MuonAdamW, build_optimizer, orthogonalise, split_for_muon
 
 
 class _Head(nn.Module):
@@ -106,6 +107,17 @@ def test_state_dict_round_trip_continues_identically() -> None:
             o.step()
     for x, y in zip(a_model.parameters(), b_model.parameters(), strict=True):
         assert torch.equal(x, y)
+
+
+def test_muon_is_refused_under_deepspeed_zero() -> None:
+    cfg = TrainConfig(optimizer="muon")  # type: ignore[arg-type]
+    opt, line = build_optimizer(_Head(), cfg, torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW) and line.startswith("Muon on 3 matrices")
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO flattens"):
+        build_optimizer(_Head(), cfg, torch.device("cpu"), deepspeed=True)
+    assert isinstance(
+        build_optimizer(_Head(), TrainConfig(), torch.device("cpu"), deepspeed=True)[0], torch.optim.AdamW
+    )
 
 
 def test_fp32_iteration_orthogonalises() -> None:
