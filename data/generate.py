@@ -11,12 +11,15 @@ large as its padding cost allows. This engine instead
   are right-aligned to a common width (masked columns cost attention only, not the MLP), held in buffers
   allocated once per change of rows, so that a step writes only its new column (no copy of the cache per step);
 * drops a row as soon as it ends (end-of-sequence or its token budget) and admits the next prompt into the
-  free slot (continuous batching), trimming cache columns that no row uses any more.
+  free slot in place (continuous batching; the buffers keep room for the longest queued prompt, so that only a
+  compaction, every ``DECODE_HEADROOM`` steps, copies the cache), trimming columns that no row uses any more.
+* multiplies by weights packed once for oneDNN (:mod:`data.prepack`) where the target is float32 on a CPU,
+  instead of letting every product repack them.
 
 Greedy outputs equal batch-1 greedy decoding token for token (tests); each row's computation is its own (masks
-and explicit positions), only the rounding of batched matrix products could in principle differ. Sampling
-draws every row's token from one ``torch.Generator`` in slot order, so a run is reproducible for the same
-prompts, batch size and seed.
+and explicit positions), only the rounding of batched (and prepacked) matrix products could in principle differ.
+Sampling draws every slot's token (free ones too) from one ``torch.Generator`` in slot order, so a run is
+reproducible for the same prompts, batch size and seed.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from data.prepack import prepacked_linears
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["GenerationStats", "continuous_generate", "model_forward", "new_cache"]
@@ -47,7 +52,13 @@ class GenerationStats:
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_slots: int = 0
-    """Rows x decode steps: generated tokens / decode slots is the batch's occupancy."""
+    """Rows decoded x decode steps: generated tokens / decode slots is the batch's occupancy."""
+    idle_slots: int = 0
+    """Free slots carried through decode steps (at the tail, until the cache is compacted)."""
+    cache_rebuilds: int = 0
+    """Times the cache buffers were rebuilt (first fill, compaction)."""
+    admitted_in_place: int = 0
+    """Rows admitted into a free slot without rebuilding the cache."""
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -315,6 +326,7 @@ def continuous_generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     on_finish: Callable[[int, list[int]], None] | None = None,
+    prepack: bool = True,
 ) -> tuple[list[list[int]], GenerationStats]:
     """Generate up to ``max_new_tokens`` after every prompt, ``batch_size`` rows at a time (see module docstring).
 
@@ -325,6 +337,8 @@ def continuous_generate(
         eos_token_id: end-of-sequence id(s); a row ends after emitting one (it is kept) when ``stop_at_eos``.
         stop_at_eos: False generates exactly ``max_new_tokens`` per prompt (replay's continuations).
         on_finish: called with (prompt index, tokens) as each row ends (progress bars).
+        prepack: multiply by oneDNN-prepacked weights where the model is float32 on a CPU
+            (:mod:`data.prepack`: 1.2x a decode step, the same greedy rows in every measurement).
 
     Returns:
         the new tokens of every prompt (input order) and the engine's counters.
@@ -333,22 +347,54 @@ def continuous_generate(
         raise ValueError("max_new_tokens must be >= 1")
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
+    with prepacked_linears(model, enabled=prepack, rows=batch_size):
+        return _generate(
+            model,
+            prompts,
+            max_new_tokens,
+            eos_token_id,
+            batch_size,
+            stop_at_eos,
+            temperature,
+            top_p,
+            generator,
+            on_finish,
+        )
+
+
+def _generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None,
+    batch_size: int,
+    stop_at_eos: bool,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    on_finish: Callable[[int, list[int]], None] | None,
+) -> tuple[list[list[int]], GenerationStats]:
+    """:func:`continuous_generate`'s engine (arguments checked there)."""
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     device = next(model.parameters()).device
     stats = GenerationStats(prompts=len(prompts))
     out: list[list[int]] = [[] for _ in prompts]
     queue = list(range(len(prompts)))
     queue.reverse()  # pop() from the end = the order given
-    headroom = max(1, min(max_new_tokens, DECODE_HEADROOM))
+    headroom = max(1, DECODE_HEADROOM)
 
-    rows: list[int] = []  # prompt index of each batch row
-    clen: list[int] = []  # cached positions of each row (prompt + generated tokens already fed)
-    nxt: list[int] = []  # the token each row feeds next
+    # Slots: buffer row r decodes prompt rows[r], or nothing (None: a free slot, fed token 0 with nothing cached and
+    # its output ignored, until a prompt is admitted into it or the cache is compacted).
+    rows: list[int | None] = []
+    clen: list[int] = []  # cached positions of each slot's row (prompt + generated tokens already fed; 0 if free)
+    nxt: list[int] = []  # the token each slot feeds next
     # The cache: per layer (keys, values) buffers [B, h, cap, d]; columns [start, end) are live, each row
-    # right-aligned at `end` (its clen columns), everything left of a row's first column zero and masked.
+    # right-aligned at `end` (its clen columns); everything left of a row's first column is masked (zero, or the
+    # finite leftovers of the slot's earlier row). Room is kept left of `end` for the longest prompt still queued,
+    # so that a prompt is admitted into a free slot in place; the buffers are rebuilt only to take more rows than
+    # there are free slots, to compact when no free column is left on the right, and at the tail to drop free slots.
     bufs: list[tuple[torch.Tensor, torch.Tensor]] = []
     start = end = 0
-    keep: list[int] | None = None  # buffer rows still decoding after rows ended (rebuild pending)
 
     def ended(i: int) -> bool:
         toks = out[i]
@@ -359,12 +405,13 @@ def continuous_generate(
         if on_finish is not None:
             on_finish(i, out[i])
 
-    while queue or rows:
-        # admit: prefill new prompts (neighbours of similar length together) into the free slots
+    while queue or any(i is not None for i in rows):
+        # admit: prefill new prompts (neighbours of similar length together) for the free slots
         admitted: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         t0 = time.perf_counter()
-        free = batch_size - len(rows)
-        take = [queue.pop() for _ in range(min(free, len(queue)))]
+        free = [r for r, i in enumerate(rows) if i is None]
+        live = len(rows) - len(free)
+        take = [queue.pop() for _ in range(min(batch_size - live, len(queue)))]
         pos = 0
         for n in _prefill_groups([len(prompts[i]) for i in take]):
             group = take[pos : pos + n]
@@ -372,54 +419,78 @@ def continuous_generate(
             logits, kv = _prefill(model, [prompts[i] for i in group], device)
             stats.prompt_tokens += sum(len(prompts[i]) for i in group)
             picked = _pick(logits.float(), temperature, top_p, generator).tolist()
-            live: list[int] = []
+            alive: list[int] = []
             for r, i in enumerate(group):
                 out[i].append(int(picked[r]))
                 if ended(i):
                     finish(i)
                 else:
-                    live.append(r)
-            if len(live) < len(group):
-                if not live:
+                    alive.append(r)
+            if len(alive) < len(group):
+                if not alive:
                     continue
-                idx = torch.tensor(live, device=device)
+                idx = torch.tensor(alive, device=device)
                 kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-                group = [group[r] for r in live]
+                group = [group[r] for r in alive]
             admitted.append((group, kv))
         stats.prefill_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
-        if admitted or keep is not None or (rows and end == bufs[0][0].shape[2]):
-            # rebuild the cache: kept rows, then the admitted ones, right-aligned at a common width
-            kept = list(range(len(rows))) if keep is None else keep
+        n_new = sum(len(group) for group, _ in admitted)
+        widest = max((kv[0][0].shape[2] for _, kv in admitted), default=0)
+        spare = len(free) - n_new  # free slots left after admission (negative: more rows than slots)
+        if (
+            spare < 0
+            or widest > end
+            or (bufs and end == bufs[0][0].shape[2])
+            or (not queue and spare > 0 and spare > (live + n_new) // 2)
+        ):
+            # rebuild the cache: live rows, then the admitted ones, right-aligned at a common column
+            kept = [r for r, i in enumerate(rows) if i is not None]
             new_rows = [i for group, _ in admitted for i in group]
             width = max([clen[r] for r in kept] + [len(prompts[i]) for i in new_rows], default=0)
+            new_end = max([width] + [len(prompts[i]) for i in queue])
             n_rows = len(kept) + len(new_rows)
             nb: list[tuple[torch.Tensor, torch.Tensor]] = []
             if n_rows:
                 ref = bufs[0][0] if bufs else admitted[0][1][0][0]
-                shape = (n_rows, ref.shape[1], width + headroom, ref.shape[3])
+                shape = (n_rows, ref.shape[1], new_end + headroom, ref.shape[3])
                 nb = [(ref.new_zeros(shape), ref.new_zeros(shape)) for _ in range(len(bufs or admitted[0][1]))]
             if kept:
                 wk = max(clen[r] for r in kept)
                 idx = torch.tensor(kept, device=device)
                 for (k, v), (ok, ov) in zip(nb, bufs, strict=True):
-                    k[: len(kept), :, width - wk : width] = ok[:, :, end - wk : end].index_select(0, idx)
-                    v[: len(kept), :, width - wk : width] = ov[:, :, end - wk : end].index_select(0, idx)
+                    k[: len(kept), :, new_end - wk : new_end] = ok[:, :, end - wk : end].index_select(0, idx)
+                    v[: len(kept), :, new_end - wk : new_end] = ov[:, :, end - wk : end].index_select(0, idx)
             r0 = len(kept)
             for group, kv in admitted:
                 wg = kv[0][0].shape[2]
                 for (k, v), (gk, gv) in zip(nb, kv, strict=True):
-                    k[r0 : r0 + len(group), :, width - wg : width] = gk
-                    v[r0 : r0 + len(group), :, width - wg : width] = gv
+                    k[r0 : r0 + len(group), :, new_end - wg : new_end] = gk
+                    v[r0 : r0 + len(group), :, new_end - wg : new_end] = gv
                 r0 += len(group)
-            rows = [rows[r] for r in kept] + new_rows
+            rows = [rows[r] for r in kept] + list(new_rows)
             clen = [clen[r] for r in kept] + [len(prompts[i]) for i in new_rows]
             nxt = [nxt[r] for r in kept] + [out[i][-1] for i in new_rows]
-            bufs, start, end, keep = nb, 0, width, None
-        if not rows:
+            bufs, end = nb, new_end
+            stats.cache_rebuilds += 1
+        else:
+            # admit in place: each new row into a free slot, its prompt's columns ending at `end`
+            slots = iter(free)
+            for group, kv in admitted:
+                wg = kv[0][0].shape[2]
+                idx = torch.tensor([next(slots) for _ in group], device=device)
+                for (k, v), (gk, gv) in zip(bufs, kv, strict=True):
+                    k[idx, :, end - wg : end] = gk
+                    v[idx, :, end - wg : end] = gv
+                for r, i in zip(idx.tolist(), group, strict=True):
+                    rows[r], clen[r], nxt[r] = i, len(prompts[i]), out[i][-1]
+                stats.admitted_in_place += len(group)
+        start = end - max(clen, default=0)
+        live = sum(i is not None for i in rows)
+        if not live:
             stats.decode_seconds += time.perf_counter() - t0
             continue
-        # one decode step for every row
+        # one decode step for every slot
         width = end - start
         lens = torch.tensor(clen, device=device)
         cols = torch.arange(width + 1, device=device)
@@ -430,18 +501,17 @@ def continuous_generate(
         picked = _pick(res.logits[:, -1].float(), temperature, top_p, generator).tolist()
         end += 1
         stats.decode_steps += 1
-        stats.decode_slots += len(rows)
-        still: list[int] = []
+        stats.decode_slots += live
+        stats.idle_slots += len(rows) - live
         for r, i in enumerate(rows):
+            if i is None:
+                continue
             out[i].append(int(picked[r]))
             clen[r] += 1
             nxt[r] = int(picked[r])
             if ended(i):
                 finish(i)
-            else:
-                still.append(r)
-        if len(still) < len(rows):
-            keep = still
-        start = end - max((clen[r] for r in (keep if keep is not None else range(len(rows)))), default=0)
+                rows[r], clen[r], nxt[r] = None, 0, 0
+        start = end - max(clen, default=0)
         stats.decode_seconds += time.perf_counter() - t0
     return out, stats

@@ -158,6 +158,7 @@ def _generate_continuous(
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         on_finish=progress,
+        prepack=cfg.prepack,
     )
     stats.gen_seconds += time.perf_counter() - t0
     return outs
@@ -347,6 +348,7 @@ def plan_hash(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> s
     for k in ("num_shards", "shard_index", "batch_size"):
         synth.pop(k)
     synth.pop("vllm_python")  # where vLLM lives, not what it makes
+    synth.pop("prepack")  # a kernel choice: the same sums in another order, as batch_size (BENCHMARKS)
     if cfg.synth.temperature == 0:
         synth.pop("engine")  # greedy rows are the same with every engine (fp32, eager: tested) ...
         if synth["vllm_dtype"] == "float32" and synth["vllm_eager"]:

@@ -7,10 +7,12 @@ HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after
 
 * ``hf_generate`` at ``synth.batch_size`` (16): transformers' ``generate`` on length-sorted, left-padded batches --
   stage synth's engine before continuous batching, the baseline every ratio is against;
-* ``hf`` (continuous batching, data/generate.py) at each ``--batch-sizes`` value.
+* ``hf`` (continuous batching, data/generate.py) at each ``--batch-sizes`` value, with oneDNN-prepacked weights
+  (``synth.prepack``, the default; data/prepack.py); with ``--unpacked`` also without them (``hf_unpacked``).
 
 Both run through ``data.synth.synth_chunk`` (what stage synth runs), so rows, decoding and detokenising are
-included. Prints tokens/s, the ratio to the baseline, and whether every row's tokens equal the baseline's.
+included. The baseline runs first and again last; prints tokens/s, the ratio to the mean of the baseline's two
+runs, and whether every row's tokens equal the baseline's.
 
 With ``--vllm`` (needs an engine venv, ``scripts/engine_env.sh``; fp32, eager, as ``synth.vllm_*`` default):
 
@@ -45,6 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="16,32,64", help="continuous-batching batch sizes to time")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--unpacked", action="store_true", help="also time engine=hf with synth.prepack=false")
     ap.add_argument("--vllm", action="store_true", help="also time the vLLM engine and a bare LLM.generate")
     ap.add_argument("--skip-hf", default="", help="comma list of HF batch sizes to skip (e.g. when only vLLM matters)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -78,8 +81,8 @@ def main() -> None:
     base_cfg = replace(cfg.synth, max_new_tokens=args.max_new_tokens, temperature=0.0)
     synth_chunk(target, convs[:4], replace(base_cfg, max_new_tokens=4), cfg.data.max_prompt_tokens, None)  # warm-up
 
-    def run(engine: str, bs: int, vllm: object = None) -> dict:
-        c = replace(base_cfg, engine=engine, batch_size=bs)
+    def run(engine: str, bs: int, vllm: object = None, prepack: bool = True) -> dict:
+        c = replace(base_cfg, engine=engine, batch_size=bs, prepack=prepack)
         t0 = time.perf_counter()
         if vllm is None:
             rows, stats = synth_chunk(target, convs, c, cfg.data.max_prompt_tokens, None)
@@ -99,7 +102,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         outs = {(r["source"], r["id"]): r["gen_token_ids"] for r in rows}
         return {
-            "engine": engine,
+            "engine": engine if prepack or engine != "hf" else "hf_unpacked",
             "batch_size": bs,
             "seconds": round(dt, 2),
             "engine_seconds": round(engine_s, 2),
@@ -114,9 +117,17 @@ def main() -> None:
     skip = {int(x) for x in args.skip_hf.split(",") if x}
     for bs in [int(x) for x in args.batch_sizes.split(",") if x]:
         if bs not in skip:
+            if args.unpacked:
+                results.append(run("hf", bs, prepack=False))
             results.append(run("hf", bs))
     if args.vllm:
         results += run_vllm(cfg, target, convs, base_cfg, run)
+    # the baseline again, last: order effects (a first run faulting in fresh memory, a neighbour's load) then fall
+    # on both sides; every ratio is against the mean of its two tokens/s
+    again = run("hf_generate", cfg.synth.batch_size)
+    again["engine"] = "hf_generate (again)"
+    results.append(again)
+    base_rate = (base["tokens_per_s"] + again["tokens_per_s"]) / 2
     report = {
         "prompts": len(convs),
         "turns_per_conversation": cfg.data.max_turns,
@@ -128,12 +139,12 @@ def main() -> None:
     for r in results:
         same = sum(r["outputs"].get(k) == v for k, v in base["outputs"].items())
         row = {k: v for k, v in r.items() if k != "outputs"}
-        row.update({"vs_hf_generate": round(r["tokens_per_s"] / base["tokens_per_s"], 2), "rows_identical": same})
+        row.update({"vs_hf_generate": round(r["tokens_per_s"] / base_rate, 2), "rows_identical": same})
         if bare is not None:
             row["vs_bare_vllm"] = round(r["tokens_per_s"] / bare["tokens_per_s"], 2)
         report["runs"].append(row)
         logger.info(
-            "%-11s bs=%-3d %7.1f s  %6.1f tokens/s  %.2fx  identical rows %d/%d",
+            "%-19s bs=%-3d %7.1f s  %6.1f tokens/s  %.2fx  identical rows %d/%d",
             r["engine"],
             r["batch_size"],
             r["engine_seconds"],

@@ -36,7 +36,9 @@ def test_rows_equal_batch1_greedy_decoding_with_refills(target, prompts) -> None
         outs, stats = continuous_generate(target.model, prompts, 24, eos_token_id=eos, batch_size=batch_size)
         assert outs == refs, batch_size
         assert stats.generated_tokens == sum(len(r) for r in refs)
-        assert stats.decode_slots == stats.generated_tokens - len(prompts)  # no slot spent on a finished row
+        assert stats.decode_slots == stats.generated_tokens - len(prompts)  # every decoded row made a token
+        if batch_size > 1:  # every prompt after the first fill went into a finished row's slot, in place
+            assert stats.admitted_in_place == len(prompts) - batch_size, (batch_size, stats)
     full, _ = continuous_generate(target.model, prompts, 24, eos_token_id=eos, batch_size=2, stop_at_eos=False)
     assert all(len(f) == 24 and f[: len(r)] == r for f, r in zip(full, refs, strict=True))
 
