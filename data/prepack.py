@@ -69,7 +69,8 @@ def prepacked_linears(model: nn.Module, enabled: bool = True, rows: int = _DEFAU
     if enabled and can_prepack(model):
         try:
             for module in model.modules():
-                if not isinstance(module, nn.Linear) or "forward" in module.__dict__:
+                # exactly nn.Linear: a subclass may do more in its forward (quantised, adapted layers)
+                if type(module) is not nn.Linear or "forward" in module.__dict__:
                     continue
                 w = module.weight
                 if w.dtype != torch.float32 or w.device.type != "cpu":

@@ -63,6 +63,16 @@ def test_gradients_and_other_dtypes_fall_back(target, batch) -> None:
     assert "forward" not in lin.__dict__
     with prepacked_linears(model, enabled=False) as n:
         assert n == 0 and "forward" not in lin.__dict__
+    class Scaled(nn.Linear):  # a subclass with its own forward is left alone
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    mixed = nn.Sequential(nn.Linear(8, 4), Scaled(4, 4))
+    with torch.inference_mode(), prepacked_linears(mixed) as n:
+        assert n == 1 and "forward" not in mixed[1].__dict__
+        x = torch.randn(2, 8)
+        h = nn.functional.linear(x, mixed[0].weight, mixed[0].bias)
+        torch.testing.assert_close(mixed(x), 2 * nn.functional.linear(h, mixed[1].weight, mixed[1].bias))
     half = nn.Linear(8, 4).to(torch.bfloat16)
     assert not can_prepack(half)
     with prepacked_linears(half) as n:
