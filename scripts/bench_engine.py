@@ -5,8 +5,9 @@
 Default prompts: the quickstart's own training conversations (``experiment=quickstart``: 100 ShareGPT +
 HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after a warm-up:
 
-* ``hf_generate`` at ``synth.batch_size`` (16): transformers' ``generate`` on length-sorted, left-padded batches --
-  stage synth's engine before continuous batching, the baseline every ratio is against;
+* ``hf_generate`` at ``--baseline-batch-size`` (32, what the recipes used with it): transformers' ``generate``
+  on length-sorted, left-padded batches -- stage synth's engine before continuous batching, the baseline every
+  ratio is against;
 * ``hf`` (continuous batching, data/generate.py) at each ``--batch-sizes`` value, with oneDNN-prepacked weights
   (``synth.prepack``, the default; data/prepack.py); with ``--unpacked`` also without them (``hf_unpacked``).
 
@@ -47,6 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="16,32,64", help="continuous-batching batch sizes to time")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--baseline-batch-size", type=int, default=32, help="rows per padded batch of the hf_generate baseline"
+    )
     ap.add_argument("--unpacked", action="store_true", help="also time engine=hf with synth.prepack=false")
     ap.add_argument("--vllm", action="store_true", help="also time the vLLM engine and a bare LLM.generate")
     ap.add_argument("--skip-hf", default="", help="comma list of HF batch sizes to skip (e.g. when only vLLM matters)")
@@ -112,7 +116,7 @@ def main() -> None:
             "outputs": outs,
         }
 
-    base = run("hf_generate", cfg.synth.batch_size)
+    base = run("hf_generate", args.baseline_batch_size)
     results = [base]
     skip = {int(x) for x in args.skip_hf.split(",") if x}
     for bs in [int(x) for x in args.batch_sizes.split(",") if x]:
@@ -124,7 +128,7 @@ def main() -> None:
         results += run_vllm(cfg, target, convs, base_cfg, run)
     # the baseline again, last: order effects (a first run faulting in fresh memory, a neighbour's load) then fall
     # on both sides; every ratio is against the mean of its two tokens/s
-    again = run("hf_generate", cfg.synth.batch_size)
+    again = run("hf_generate", args.baseline_batch_size)
     again["engine"] = "hf_generate (again)"
     results.append(again)
     base_rate = (base["tokens_per_s"] + again["tokens_per_s"]) / 2
