@@ -174,8 +174,8 @@ class SynthConfig(Choices):
     Python that imports vllm is found (``vllm_python``, $DRAFTSMITH_VLLM_PYTHON, this one, ./.venv-engine),
     else hf."""
     prepack: bool = True
-    """engine=hf on a CPU with a float32 target: multiply by oneDNN-prepacked weights (data/prepack.py; 1.4x the
-    engine's tokens/s on a 2-core CPU, every greedy row the same in the benchmark; BENCHMARKS). false: F.linear."""
+    """engine=hf on a CPU with a float32 target: multiply by oneDNN-prepacked weights (data/prepack.py; 1.23-1.31x
+    the engine's tokens/s on a 2-core CPU, every greedy row the same in the benchmark; BENCHMARKS). false: F.linear."""
     vllm_python: str | None = None
     """Interpreter that runs the vLLM worker (e.g. .venv-engine/bin/python); None: look for one (see engine)."""
     vllm_dtype: Dtype = Dtype.float32

@@ -440,7 +440,7 @@ def _generate(
         spare = len(free) - n_new  # free slots left after admission (negative: more rows than slots)
         if (
             spare < 0
-            or widest > end
+            or widest > end  # a guard: the room kept left of `end` fits every queued prompt
             or (bufs and end == bufs[0][0].shape[2])
             or (not queue and spare > 0 and spare > (live + n_new) // 2)
         ):

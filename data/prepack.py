@@ -6,7 +6,8 @@ call, so at 32 rows a step spends as much time copying weights as multiplying th
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU backend and vLLM's CPU build do) and multiply any
 number of rows by the packed copy (``torch.ops.mkldnn._linear_pointwise``). Measured on a 2-core CPU with the
 embedded SmolLM2-135M target in float32: a 32-row decode step 0.236 s -> 0.196 s, a 4 x 200-token prefill 1.90 s
--> 1.69 s; stage synth's continuous engine 1.42x the tokens/s with every greedy row identical (BENCHMARKS).
+-> 1.69 s; stage synth's continuous engine 1.23-1.31x the tokens/s with every greedy row identical
+(BENCHMARKS).
 
 The products are the same sums in another order: logits differ from ``F.linear``'s by float32 rounding (about
 1e-6 relative), as they already do between batch sizes. :func:`prepacked_linears` swaps every ``nn.Linear``'s

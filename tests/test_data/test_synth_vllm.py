@@ -56,6 +56,7 @@ def test_greedy_plan_hash_ignores_the_engine_and_where_vllm_lives() -> None:
 
     base = h()
     assert h("synth.engine=vllm", "synth.vllm_python=/x/python") == base
+    assert h("synth.prepack=false") == base  # a kernel choice: the same rows (tests/test_data/test_prepack.py)
     assert h("synth.engine=vllm", "synth.vllm_dtype=bfloat16") != base  # bf16 may flip near-ties
     assert h("synth.temperature=0.7", "synth.engine=vllm") != h("synth.temperature=0.7")
     assert h("synth.temperature=0.7", "synth.vllm_python=/x") == h("synth.temperature=0.7")
