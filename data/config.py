@@ -176,6 +176,9 @@ class SynthConfig(Choices):
     prepack: bool = True
     """engine=hf on a CPU with a float32 target: multiply by oneDNN-prepacked weights (data/prepack.py; 1.23-1.31x
     the engine's tokens/s on a 2-core CPU, every greedy row the same in the benchmark; BENCHMARKS). false: F.linear."""
+    share_prefix: bool = True
+    """engine=hf: prompts prefilled together compute the keys and values of their common prefix (>= 8 tokens, e.g. a
+    chat template's system header) once instead of once per prompt (data/generate.py). false: every prompt whole."""
     vllm_python: str | None = None
     """Interpreter that runs the vLLM worker (e.g. .venv-engine/bin/python); None: look for one (see engine)."""
     vllm_dtype: Dtype = Dtype.float32

@@ -18,8 +18,14 @@ large as its padding cost allows. This engine instead
 
 Greedy outputs equal batch-1 greedy decoding token for token (tests); each row's computation is its own (masks
 and explicit positions), only the rounding of batched (and prepacked) matrix products could in principle differ.
+* computes the keys and values of the prefix that prompts prefilled together share (a chat template's system
+  header: 24 of the quickstart's ~105 prompt tokens) once, not once per prompt, and remembers it for later groups;
+* takes further prompts from a feed while it decodes (``more``): stage synth streams all its chunks, and each
+  conversation's next turn, through one engine, so no batch drains to a tail of a few rows between chunks.
+
 Sampling draws every slot's token (free ones too) from one ``torch.Generator`` in slot order, so a run is
-reproducible for the same prompts, batch size and seed.
+reproducible for the same prompts, batch size and seed; with per-prompt ``seeds`` each row draws from its own
+generator instead, so its tokens do not depend on the rows it shares steps with (what stage synth uses).
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ class GenerationStats:
     """Times the cache buffers were rebuilt (first fill, compaction)."""
     admitted_in_place: int = 0
     """Rows admitted into a free slot without rebuilding the cache."""
+    prefix_tokens_reused: int = 0
+    """Prompt tokens whose keys and values came from a shared prefix instead of their own prefill."""
+    prefix_forwards: int = 0
+    """Batch-1 forwards that computed a shared prefix (once each, then reused)."""
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -286,28 +296,105 @@ def _prefill_groups(lengths: Sequence[int]) -> list[int]:
     return sizes
 
 
+SHARED_PREFIX_MIN = 8
+"""Prompts prefilled together reuse the keys and values of their common prefix (computed once) when it is at
+least this many tokens long (e.g. a chat template's default system header: 24 of the quickstart's ~105 tokens)."""
+SHARED_PREFIX_MEMO = 8
+"""Shared prefixes kept per :func:`continuous_generate` call (most recently used first)."""
+
+
+def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix common to every prompt."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        i = 0
+        while i < n and p[i] == first[i]:
+            i += 1
+        n = i
+    return n
+
+
+class _PrefixMemo:
+    """Keys and values of shared prompt prefixes (batch-1 forwards), reused by later prefill groups."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, stats: GenerationStats) -> None:
+        self.model, self.device, self.stats = model, device, stats
+        self.memo: list[tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def lookup(self, prompts: Sequence[Sequence[int]]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The prefix to reuse for ``prompts`` (its length and per-layer ``(keys, values)`` ``[1, h, P, d]``), or
+        ``(0, None)``: the longest known prefix every prompt starts with, or their common prefix computed now
+        when that is longer (and at least :data:`SHARED_PREFIX_MIN` tokens). Every prompt keeps at least one
+        token of its own to prefill (its last position's logits)."""
+        limit = min(len(p) for p in prompts) - 1
+        best = -1
+        for j, (key, _) in enumerate(self.memo):
+            longer = best < 0 or len(key) > len(self.memo[best][0])
+            if len(key) <= limit and longer and all(tuple(p[: len(key)]) == key for p in prompts):
+                best = j
+        known = len(self.memo[best][0]) if best >= 0 else 0
+        n = min(_common_prefix(prompts), limit) if len(prompts) > 1 else 0
+        if n >= SHARED_PREFIX_MIN and n > known:
+            key = tuple(prompts[0][:n])
+            cache = new_cache(self.model)
+            ids = torch.tensor([key], dtype=torch.long, device=self.device)
+            model_forward(self.model, ids, cache, logits_to_keep=1)
+            self.memo.insert(0, (key, [(k.clone(), v.clone()) for k, v in _kv(cache)]))
+            del self.memo[SHARED_PREFIX_MEMO:]
+            self.stats.prefix_forwards += 1
+        elif best >= 0:
+            self.memo.insert(0, self.memo.pop(best))
+        else:
+            return 0, None
+        key, kv = self.memo[0]
+        self.stats.prefix_tokens_reused += len(key) * len(prompts)
+        return len(key), kv
+
+
 def _prefill(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], device: torch.device
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    device: torch.device,
+    prefix: tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None] = (0, None),
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Prefill prompts of similar length in one forward, left-padded to the longest (explicit positions and a
     padding mask: each row's computation is its own). Returns the last position's logits ``[n, V]`` and per layer
     ``(keys, values)`` ``[n, h, L, d]`` right-aligned, the padding columns zeroed (masked later, but a non-finite
-    value there would still poison the attention sum)."""
-    width = max(len(p) for p in prompts)
-    pads = [width - len(p) for p in prompts]
-    ids = torch.tensor([[0] * n + list(p) for n, p in zip(pads, prompts, strict=True)], dtype=torch.long, device=device)
-    cache = new_cache(model)
+    value there would still poison the attention sum).
+
+    ``prefix``: ``(P, kv)`` from :class:`_PrefixMemo`: the first ``P`` tokens of every prompt are already cached
+    (``kv``), so only the rest is computed, attending to them (the same positions, hence the same keys, values
+    and logits up to float rounding); each row's prefix columns are then moved next to its own tokens."""
+    plen, pkv = prefix
+    rest = [p[plen:] for p in prompts]
+    width = max(len(p) for p in rest)
+    pads = [width - len(p) for p in rest]
+    ids = torch.tensor([[0] * n + list(p) for n, p in zip(pads, rest, strict=True)], dtype=torch.long, device=device)
+    n_rows = len(prompts)
+    cache = (
+        new_cache(model)
+        if pkv is None
+        else new_cache(model, [(k.expand(n_rows, -1, -1, -1), v.expand(n_rows, -1, -1, -1)) for k, v in pkv])
+    )
     if not any(pads):
-        res = model_forward(model, ids, cache, logits_to_keep=1)
+        positions = None if not plen else torch.arange(plen, plen + width, device=device).expand(len(prompts), -1)
+        res = model_forward(model, ids, cache, positions, logits_to_keep=1)
         return res.logits[:, -1], _kv(cache)
     pad = torch.tensor(pads, device=device)[:, None]
     cols = torch.arange(width, device=device)[None, :]
     mask = (cols >= pad).long()
-    res = model_forward(model, ids, cache, (cols - pad).clamp(min=0), mask, logits_to_keep=1)
+    if plen:
+        mask = torch.cat([mask.new_ones(len(prompts), plen), mask], dim=1)
+    res = model_forward(model, ids, cache, plen + (cols - pad).clamp(min=0), mask, logits_to_keep=1)
     kv = _kv(cache)
     for r, n in enumerate(pads):
         if n:
-            for k, v in kv:
+            for layer, (k, v) in enumerate(kv):
+                if plen:  # [prefix | padding | own tokens] -> [padding | prefix | own tokens]
+                    assert pkv is not None
+                    k[r, :, n : n + plen] = pkv[layer][0][0]
+                    v[r, :, n : n + plen] = pkv[layer][1][0]
                 k[r, :, :n] = 0
                 v[r, :, :n] = 0
     return res.logits[:, -1], kv
@@ -325,8 +412,11 @@ def continuous_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    seeds: Sequence[int] | Callable[[int], int] | None = None,
     on_finish: Callable[[int, list[int]], None] | None = None,
+    more: Callable[[int], Sequence[Sequence[int]]] | None = None,
     prepack: bool = True,
+    share_prefix: bool = True,
 ) -> tuple[list[list[int]], GenerationStats]:
     """Generate up to ``max_new_tokens`` after every prompt, ``batch_size`` rows at a time (see module docstring).
 
@@ -336,17 +426,29 @@ def continuous_generate(
     Args:
         eos_token_id: end-of-sequence id(s); a row ends after emitting one (it is kept) when ``stop_at_eos``.
         stop_at_eos: False generates exactly ``max_new_tokens`` per prompt (replay's continuations).
-        on_finish: called with (prompt index, tokens) as each row ends (progress bars).
+        generator: sampling draws every slot's token from it in slot order (reproducible for the same prompts,
+            batch size and seed); ignored when ``seeds`` is given.
+        seeds: a sampling seed per prompt (a sequence, or a function of the prompt's index): each row samples
+            from its own generator, so its tokens do not depend on which rows share its steps (streams, resumes).
+        on_finish: called with (prompt index, tokens) as each row ends (progress bars, streaming writers).
+        more: a feed of further prompts, called before every admission with the number of slots that the
+            queue cannot fill (<= 0 when it can); what it returns is queued after everything queued so far and
+            numbered after every prompt so far (``prompts`` first). The engine stops when nothing is queued or
+            decoding and ``more`` returns nothing. With a feed, a row's prompt and tokens are let go once
+            ``on_finish`` has them (the returned lists are empty): a stream's caller keeps what it needs.
         prepack: multiply by oneDNN-prepacked weights where the model is float32 on a CPU
             (:mod:`data.prepack`: 1.2x a decode step, the same greedy rows in every measurement).
+        share_prefix: prompts prefilled together compute their common prefix once (at least
+            :data:`SHARED_PREFIX_MIN` tokens; remembered for later groups), not once per prompt.
 
     Returns:
-        the new tokens of every prompt (input order) and the engine's counters.
+        the new tokens of every prompt (in index order) and the engine's counters.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
+    seed_of = seeds if callable(seeds) or seeds is None else seeds.__getitem__
     with prepacked_linears(model, enabled=prepack, rows=batch_size):
         return _generate(
             model,
@@ -358,13 +460,16 @@ def continuous_generate(
             temperature,
             top_p,
             generator,
+            seed_of,
             on_finish,
+            more,
+            share_prefix,
         )
 
 
 def _generate(
     model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
+    given: Sequence[Sequence[int]],
     max_new_tokens: int,
     eos_token_id: int | Sequence[int] | None,
     batch_size: int,
@@ -372,16 +477,51 @@ def _generate(
     temperature: float,
     top_p: float,
     generator: torch.Generator | None,
+    seed_of: Callable[[int], int] | None,
     on_finish: Callable[[int, list[int]], None] | None,
+    more: Callable[[int], Sequence[Sequence[int]]] | None,
+    share_prefix: bool,
 ) -> tuple[list[list[int]], GenerationStats]:
     """:func:`continuous_generate`'s engine (arguments checked there)."""
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     device = next(model.parameters()).device
+    prompts: list[Sequence[int]] = list(given)
     stats = GenerationStats(prompts=len(prompts))
     out: list[list[int]] = [[] for _ in prompts]
     queue = list(range(len(prompts)))
     queue.reverse()  # pop() from the end = the order given
+    sampled = temperature > 0.0 and seed_of is not None
+    gens: dict[int, torch.Generator] = {}  # per-row generators (seeds given), by prompt index
+
+    def pick(logits: torch.Tensor, which: Sequence[int | None]) -> list[int]:
+        """Next token of every row of ``logits``; ``which``: each row's prompt index (None: a free slot)."""
+        if not sampled:
+            return _pick(logits.float(), temperature, top_p, generator).tolist()
+        picked = []
+        for row, i in zip(logits, which, strict=True):
+            if i is None:
+                picked.append(0)
+                continue
+            if i not in gens:
+                assert seed_of is not None
+                gens[i] = torch.Generator(device=row.device).manual_seed(int(seed_of(i)))
+            probs = logits_to_probs(row.float(), temperature, top_p)
+            picked.append(int(torch.multinomial(probs, 1, generator=gens[i])))
+        return picked
+
+    def feed() -> None:
+        if more is None:
+            return
+        new = list(more(batch_size - sum(i is not None for i in rows) - len(queue)))
+        if new:
+            first = len(prompts)
+            prompts.extend(new)
+            out.extend([] for _ in new)
+            queue[:0] = reversed(range(first, len(prompts)))
+            stats.prompts += len(new)
+
     headroom = max(1, DECODE_HEADROOM)
+    memo = _PrefixMemo(model, device, stats) if share_prefix else None
 
     # Slots: buffer row r decodes prompt rows[r], or nothing (None: a free slot, fed token 0 with nothing cached and
     # its output ignored, until a prompt is admitted into it or the cache is compacted).
@@ -401,11 +541,17 @@ def _generate(
         return len(toks) >= max_new_tokens or (stop_at_eos and toks[-1] in eos)
 
     def finish(i: int) -> None:
+        gens.pop(i, None)
         stats.generated_tokens += len(out[i])
         if on_finish is not None:
             on_finish(i, out[i])
+        if more is not None:  # a stream: the caller has the row; keep no prompt or tokens for the whole run
+            prompts[i], out[i] = (), []
 
-    while queue or any(i is not None for i in rows):
+    while True:
+        feed()
+        if not queue and all(i is None for i in rows):
+            break
         # admit: prefill new prompts (neighbours of similar length together) for the free slots
         admitted: list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = []
         t0 = time.perf_counter()
@@ -416,9 +562,10 @@ def _generate(
         for n in _prefill_groups([len(prompts[i]) for i in take]):
             group = take[pos : pos + n]
             pos += n
-            logits, kv = _prefill(model, [prompts[i] for i in group], device)
+            ps = [prompts[i] for i in group]
+            logits, kv = _prefill(model, ps, device, memo.lookup(ps) if memo is not None else (0, None))
             stats.prompt_tokens += sum(len(prompts[i]) for i in group)
-            picked = _pick(logits.float(), temperature, top_p, generator).tolist()
+            picked = pick(logits, group)
             alive: list[int] = []
             for r, i in enumerate(group):
                 out[i].append(int(picked[r]))
@@ -498,7 +645,7 @@ def _generate(
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
         cache = _slot_cache(model, bufs, start, end)
         res = model_forward(model, torch.tensor(nxt, device=device)[:, None], cache, lens[:, None], mask)
-        picked = _pick(res.logits[:, -1].float(), temperature, top_p, generator).tolist()
+        picked = pick(res.logits[:, -1], rows)
         end += 1
         stats.decode_steps += 1
         stats.decode_slots += live

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from data.config import ConfigError, DataConfig, RunConfig, SynthConfig
+from data.config import ConfigError, DataConfig, RunConfig, SynthConfig, SynthEngine
 from data.generate import continuous_generate
 from data.manifest import read_manifest, write_manifest
 from data.render import conversation_ids_and_mask, prompt_ids
@@ -134,9 +134,10 @@ def generate_batch(target: Target, prompts: list[list[int]], cfg: SynthConfig) -
 
 
 def _generate_continuous(
-    target: Target, jobs: list[TurnJob], cfg: SynthConfig, stats: ChunkStats, bar: tqdm | None
+    target: Target, jobs: list[TurnJob], seeds: list[int], cfg: SynthConfig, stats: ChunkStats, bar: tqdm | None
 ) -> list[list[int]]:
-    """One turn of every job through the continuous-batching engine (data/generate.py); results in job order."""
+    """One turn of every job through the continuous-batching engine (data/generate.py); results in job order.
+    ``seeds``: each job's sampling seed (:func:`request_seed`), used when ``temperature > 0``."""
     tok = target.tokenizer
 
     made = [stats.generated_tokens]
@@ -157,8 +158,10 @@ def _generate_continuous(
         batch_size=cfg.batch_size,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
+        seeds=seeds,
         on_finish=progress,
         prepack=cfg.prepack,
+        share_prefix=cfg.share_prefix,
     )
     stats.gen_seconds += time.perf_counter() - t0
     return outs
@@ -258,19 +261,18 @@ def synth_chunk(
         for i, conv in enumerate(convs):
             if not alive[i] or conv.num_user_turns() <= turn:
                 continue
-            ids = prompt_ids(tok, _history(conv, answers[i], turn))
-            if len(ids) > max_prompt_tokens + turn * cfg.max_new_tokens:
-                alive[i] = False  # a later turn outgrew the prompt budget: keep the turns done so far
-                stats.skipped["later_turn_too_long"] = stats.skipped.get("later_turn_too_long", 0) + 1
+            job = _turn_job(tok, conv, i, answers[i], turn, cfg, max_prompt_tokens, stats)
+            if job is None:
+                alive[i] = False
                 continue
-            jobs.append(TurnJob(i, ids))
+            jobs.append(job)
         jobs.sort(key=lambda j: len(j.ids))  # length buckets: neighbours in length share a batch
         if vllm is not None or engine == "hf":
+            seeds = [request_seed(seed, convs[j.conv], turn) for j in jobs]
             if vllm is not None:
-                seeds = [request_seed(seed, convs[j.conv], turn) for j in jobs]
                 outs = _generate_vllm(vllm, jobs, seeds, cfg, stats, bar)
             else:
-                outs = _generate_continuous(target, jobs, cfg, stats, bar)
+                outs = _generate_continuous(target, jobs, seeds, cfg, stats, bar)
             for job, out in zip(jobs, outs, strict=True):
                 _record(tok, job, out, stats, gen_ids, answers)
             continue
@@ -286,6 +288,38 @@ def synth_chunk(
                 bar.update(len(batch))
                 rate = stats.generated_tokens / max(stats.gen_seconds, 1e-9)
                 bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+    return _chunk_rows(tok, convs, regen, answers, gen_ids, cfg, stats), stats
+
+
+def _turn_job(
+    tok: Any,
+    conv: Conversation,
+    index: int,
+    answers: list[str],
+    turn: int,
+    cfg: SynthConfig,
+    max_prompt_tokens: int,
+    stats: ChunkStats,
+) -> TurnJob | None:
+    """The prompt of user turn ``turn`` (the target's own earlier answers in its history), or None (counted) when a
+    later turn outgrew the prompt budget: the conversation then keeps the turns done so far."""
+    ids = prompt_ids(tok, _history(conv, answers, turn))
+    if len(ids) > max_prompt_tokens + turn * cfg.max_new_tokens:
+        stats.skipped["later_turn_too_long"] = stats.skipped.get("later_turn_too_long", 0) + 1
+        return None
+    return TurnJob(index, ids)
+
+
+def _chunk_rows(
+    tok: Any,
+    convs: list[Conversation],
+    regen: list[bool],
+    answers: list[list[str]],
+    gen_ids: list[list[list[int]]],
+    cfg: SynthConfig,
+    stats: ChunkStats,
+) -> list[dict[str, Any]]:
+    """A chunk's training rows: regenerated conversations with the target's answers, the others as they were."""
     rows: list[dict[str, Any]] = []
     for i, conv in enumerate(convs):
         if regen[i]:
@@ -320,7 +354,124 @@ def synth_chunk(
                 "regenerated": bool(regen[i]),
             }
         )
-    return rows, stats
+    return rows
+
+
+@dataclass
+class _ChunkWork:
+    """A chunk in flight in :func:`synth_stream`."""
+
+    index: int
+    convs: list[Conversation]
+    regen: list[bool]
+    stats: ChunkStats
+    answers: list[list[str]]
+    gen_ids: list[list[list[int]]]
+    outstanding: int = 0
+    """Turns queued or decoding."""
+
+
+def synth_stream(
+    target: Target,
+    chunks: list[tuple[int, list[Conversation], list[bool]]],
+    cfg: SynthConfig,
+    max_prompt_tokens: int,
+    bar: tqdm | None,
+    on_chunk: Any,
+    seed: int = 0,
+) -> None:
+    """engine=hf over many chunks at once: one continuous-batching engine decodes every chunk's turns, the next
+    chunk's prompts filling the slots that the last one's short answers leave (a chunk at a time, each ending with
+    a tail of few rows, left the batch part empty), each conversation's next turn queued as soon as its previous
+    answer ends. ``on_chunk(index, rows, stats)`` is called as each chunk's last turn ends (chunks may end out of
+    order); its rows are those :func:`synth_chunk` makes for the chunk (the same greedy tokens; sampling uses the
+    same per-request seeds). A chunk's ``gen_seconds`` is the engine time since the previous chunk ended, so the
+    chunks' sum is the engine's time."""
+    tok = target.tokenizer
+    todo = list(reversed(chunks))  # pop() = the order given
+    pending: list[tuple[_ChunkWork, TurnJob, int]] = []
+    meta: dict[int, tuple[_ChunkWork, TurnJob, int]] = {}  # engine prompt index -> (chunk, job, turn), until done
+    clock = [time.perf_counter()]
+    made = [0]
+    issued = [0]  # prompts handed to the engine so far (its indices)
+
+    def close(work: _ChunkWork) -> None:
+        now = time.perf_counter()
+        work.stats.gen_seconds = now - clock[0]
+        clock[0] = now
+        rows = _chunk_rows(tok, work.convs, work.regen, work.answers, work.gen_ids, cfg, work.stats)
+        on_chunk(work.index, rows, work.stats)
+
+    def queue_turn(work: _ChunkWork, i: int, turn: int) -> None:
+        conv = work.convs[i]
+        if conv.num_user_turns() <= turn:
+            return
+        job = _turn_job(tok, conv, i, work.answers[i], turn, cfg, max_prompt_tokens, work.stats)
+        if job is not None:
+            pending.append((work, job, turn))
+            work.outstanding += 1
+
+    def more(want: int) -> list[list[int]]:
+        while want > len(pending) and todo:  # the next chunk, its first turns shortest first
+            index, convs, regen = todo.pop()
+            work = _ChunkWork(index, convs, regen, ChunkStats(conversations=len(convs), engine="hf"), [], [])
+            work.answers = [[] for _ in convs]
+            work.gen_ids = [[] for _ in convs]
+            first = len(pending)
+            for i in range(len(convs)):
+                if regen[i]:
+                    queue_turn(work, i, 0)
+            pending[first:] = sorted(pending[first:], key=lambda p: len(p[1].ids))
+            if not work.outstanding:
+                close(work)
+        new = [p[1].ids for p in pending]
+        meta.update(enumerate(pending, start=issued[0]))
+        issued[0] += len(pending)
+        pending.clear()
+        return new
+
+    def finished(k: int, out: list[int]) -> None:
+        work, job, turn = meta.pop(k)
+        _record(tok, job, out, work.stats, work.gen_ids, work.answers)
+        work.outstanding -= 1
+        queue_turn(work, job.conv, turn + 1)
+        made[0] += len(out)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{made[0] / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+        if not work.outstanding:
+            close(work)
+
+    t0 = time.perf_counter()
+    _, gs = continuous_generate(
+        target.model,
+        [],
+        cfg.max_new_tokens,
+        eos_token_id=tok.eos_token_id,
+        batch_size=cfg.batch_size,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seeds=lambda k: request_seed(seed, meta[k][0].convs[meta[k][1].conv], meta[k][2]),
+        on_finish=finished,
+        more=more,
+        prepack=cfg.prepack,
+        share_prefix=cfg.share_prefix,
+    )
+    logger.info(
+        "hf engine: %d turns, %d prompt tokens (%d from shared prefixes) prefilled in %.1f s, %d tokens decoded in "
+        "%d steps / %.1f s (%.1f rows a step, %d idle slots, %d cache rebuilds, %d admitted in place)",
+        gs.prompts,
+        gs.prompt_tokens,
+        gs.prefix_tokens_reused,
+        gs.prefill_seconds,
+        gs.generated_tokens,
+        gs.decode_steps,
+        gs.decode_seconds,
+        gs.decode_slots / max(gs.decode_steps, 1),
+        gs.idle_slots,
+        gs.cache_rebuilds,
+        gs.admitted_in_place,
+    )
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -349,6 +500,7 @@ def plan_hash(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> s
         synth.pop(k)
     synth.pop("vllm_python")  # where vLLM lives, not what it makes
     synth.pop("prepack")  # a kernel choice: the same sums in another order, as batch_size (BENCHMARKS)
+    synth.pop("share_prefix")  # likewise: the same keys and values, computed once per group instead of per row
     if cfg.synth.temperature == 0:
         synth.pop("engine")  # greedy rows are the same with every engine (fp32, eager: tested) ...
         if synth["vllm_dtype"] == "float32" and synth["vllm_eager"]:
@@ -454,7 +606,21 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
         with tqdm(
             total=n_turns if cfg.synth.regenerate else 0, unit="turn", desc="synth", dynamic_ncols=True, mininterval=2.0
         ) as bar:
+            if engine is None and cfg.synth.engine in (SynthEngine.hf, SynthEngine.auto):
+                # one continuous engine across chunks (no per-chunk tail); each chunk written as it completes
+                work = [(i, chunks[i], regenerate_flags(cfg.data, cfg.synth, chunks[i])) for i in todo]
+                synth_stream(
+                    target,
+                    work,
+                    cfg.synth,
+                    cfg.data.max_prompt_tokens,
+                    bar,
+                    lambda i, rows, stats: _write_chunk(out, i, rows, stats),
+                    seed=cfg.seed,
+                )
             for n, i in enumerate(todo):
+                if chunk_path(out, i).is_file():
+                    continue
                 torch.manual_seed(cfg.seed * 1_000_003 + i)  # sampling is reproducible per chunk, across resumes
                 flags = regenerate_flags(cfg.data, cfg.synth, chunks[i])
                 rows, stats = synth_chunk(
@@ -462,8 +628,7 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
                 )
                 if engine is not None and n == 0:
                     stats.engine_start_seconds = round(engine.start_seconds, 2)
-                atomic_write_json(stats_path(out, i), asdict(stats))  # before the chunk: a chunk implies its stats
-                write_rows(chunk_path(out, i), rows)
+                _write_chunk(out, i, rows, stats)
         finished = True
     finally:
         if engine is not None:
@@ -472,6 +637,11 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
         logger.info("synth shard(s) %s done; other shards still running (then: python -m train stage=merge)", shards)
         return None
     return merge(cfg, out, elapsed=time.perf_counter() - t_start)
+
+
+def _write_chunk(out: Path, index: int, rows: list[dict[str, Any]], stats: ChunkStats) -> None:
+    atomic_write_json(stats_path(out, index), asdict(stats))  # before the chunk: a chunk implies its stats
+    write_rows(chunk_path(out, index), rows)
 
 
 def start_engine(cfg: RunConfig, target: Target) -> VLLMEngine | None:

@@ -9,7 +9,8 @@ HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after
   on length-sorted, left-padded batches -- stage synth's engine before continuous batching, the baseline every
   ratio is against;
 * ``hf`` (continuous batching, data/generate.py) at each ``--batch-sizes`` value, with oneDNN-prepacked weights
-  (``synth.prepack``, the default; data/prepack.py); with ``--unpacked`` also without them (``hf_unpacked``).
+  (``synth.prepack``, the default; data/prepack.py); with ``--unpacked`` also without them (``hf_unpacked``), with
+  ``--unshared`` also without reusing prompts' common prefix (``synth.share_prefix=false``: ``hf_unshared``).
 
 Both run through ``data.synth.synth_chunk`` (what stage synth runs), so rows, decoding and detokenising are
 included. The baseline runs first and again last; prints tokens/s, the ratio to the mean of the baseline's two
@@ -52,6 +53,7 @@ def main() -> None:
         "--baseline-batch-size", type=int, default=32, help="rows per padded batch of the hf_generate baseline"
     )
     ap.add_argument("--unpacked", action="store_true", help="also time engine=hf with synth.prepack=false")
+    ap.add_argument("--unshared", action="store_true", help="also time engine=hf with synth.share_prefix=false")
     ap.add_argument("--vllm", action="store_true", help="also time the vLLM engine and a bare LLM.generate")
     ap.add_argument("--skip-hf", default="", help="comma list of HF batch sizes to skip (e.g. when only vLLM matters)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -85,8 +87,8 @@ def main() -> None:
     base_cfg = replace(cfg.synth, max_new_tokens=args.max_new_tokens, temperature=0.0)
     synth_chunk(target, convs[:4], replace(base_cfg, max_new_tokens=4), cfg.data.max_prompt_tokens, None)  # warm-up
 
-    def run(engine: str, bs: int, vllm: object = None, prepack: bool = True) -> dict:
-        c = replace(base_cfg, engine=engine, batch_size=bs, prepack=prepack)
+    def run(engine: str, bs: int, vllm: object = None, prepack: bool = True, share: bool = True) -> dict:
+        c = replace(base_cfg, engine=engine, batch_size=bs, prepack=prepack, share_prefix=share)
         t0 = time.perf_counter()
         if vllm is None:
             rows, stats = synth_chunk(target, convs, c, cfg.data.max_prompt_tokens, None)
@@ -106,7 +108,9 @@ def main() -> None:
         dt = time.perf_counter() - t0
         outs = {(r["source"], r["id"]): r["gen_token_ids"] for r in rows}
         return {
-            "engine": engine if prepack or engine != "hf" else "hf_unpacked",
+            "engine": engine
+            if engine != "hf"
+            else "hf" + ("" if prepack else "_unpacked") + ("" if share else "_unshared"),
             "batch_size": bs,
             "seconds": round(dt, 2),
             "engine_seconds": round(engine_s, 2),
@@ -123,6 +127,8 @@ def main() -> None:
         if bs not in skip:
             if args.unpacked:
                 results.append(run("hf", bs, prepack=False))
+            if args.unshared:
+                results.append(run("hf", bs, share=False))
             results.append(run("hf", bs))
     if args.vllm:
         results += run_vllm(cfg, target, convs, base_cfg, run)

@@ -82,3 +82,80 @@ def test_grouped_prefill_and_compaction_equal_batch1_decoding(target, prompts, m
     outs, stats = continuous_generate(target.model, similar, 20, eos_token_id=eos, batch_size=4)
     assert outs == refs
     assert stats.generated_tokens == sum(len(r) for r in refs)
+
+
+def test_shared_prefix_is_computed_once_and_changes_nothing(target, prompts) -> None:
+    """Prompts prefilled together reuse the keys and values of their common prefix (the chat template's system
+    header here), computed once: the same last logits and cache (up to float rounding, each row's prefix moved
+    next to its own tokens) and the same greedy rows; a later group reuses the remembered prefix."""
+    import data.generate as gen
+    from eval.decoder import plain_decode
+
+    eos = target.tokenizer.eos_token_id
+    header = gen._common_prefix(prompts)
+    assert header >= gen.SHARED_PREFIX_MIN, "ChatML prompts share a system header"
+    stats = gen.GenerationStats()
+    memo = gen._PrefixMemo(target.model, torch.device("cpu"), stats)
+    group = [prompts[1], prompts[2]]  # different lengths: the shorter row is padded
+    with torch.inference_mode():
+        prefix = memo.lookup(group)
+        assert prefix[0] == header and stats.prefix_forwards == 1
+        shared_logits, shared_kv = gen._prefill(target.model, group, torch.device("cpu"), prefix)
+        whole_logits, whole_kv = gen._prefill(target.model, group, torch.device("cpu"))
+        torch.testing.assert_close(shared_logits, whole_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(shared_logits.argmax(-1), whole_logits.argmax(-1))
+        for (sk, sv), (wk, wv) in zip(shared_kv, whole_kv, strict=True):
+            torch.testing.assert_close(sk, wk, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(sv, wv, rtol=1e-4, atol=1e-4)
+        pad = len(prompts[2]) - len(prompts[1])
+        assert pad > 0 and not shared_kv[0][0][0, :, :pad].any()  # padding columns zeroed, left of the prefix
+        assert memo.lookup([prompts[4]]) == (header, memo.memo[0][1])  # one prompt: the remembered prefix
+        assert stats.prefix_forwards == 1 and stats.prefix_tokens_reused == 3 * header
+        assert memo.lookup([list(range(100, 140)), list(range(200, 240))]) == (0, None)  # nothing in common
+
+    refs = [plain_decode(target.model, torch.tensor([p]), 16, eos).tokens for p in prompts]
+    shared, st = continuous_generate(target.model, prompts, 16, eos_token_id=eos, batch_size=3)
+    whole, st0 = continuous_generate(target.model, prompts, 16, eos_token_id=eos, batch_size=3, share_prefix=False)
+    assert shared == whole == refs
+    assert st.prefix_forwards >= 1 and st.prefix_tokens_reused >= header * 2
+    assert st0.prefix_forwards == 0 and st0.prefix_tokens_reused == 0
+
+
+def test_a_feed_streams_prompts_and_seeded_rows_do_not_depend_on_their_neighbours(target, prompts) -> None:
+    """``more`` feeds prompts while others decode (numbered after the given ones, rows handed to ``on_finish``
+    and then let go); with per-prompt ``seeds`` each sampled row is the same whatever the batch."""
+    from eval.decoder import plain_decode
+
+    eos = target.tokenizer.eos_token_id
+    refs = [plain_decode(target.model, torch.tensor([p]), 16, eos).tokens for p in prompts]
+    feeds = [prompts[2:4], prompts[4:], []]
+    asked: list[int] = []
+    got: dict[int, list[int]] = {}
+
+    def more(want: int) -> list[list[int]]:
+        asked.append(want)
+        return list(feeds.pop(0)) if want > 0 and feeds else []
+
+    outs, stats = continuous_generate(
+        target.model, prompts[:2], 16, eos_token_id=eos, batch_size=3, more=more, on_finish=got.__setitem__
+    )
+    assert [got[i] for i in range(len(prompts))] == refs
+    assert stats.prompts == len(prompts) and outs == [[]] * len(prompts)  # a stream keeps no rows
+    assert max(asked) > 0 and min(asked) <= 0
+
+    def sampled(batch_size: int, order: list[int]) -> dict[int, list[int]]:
+        ps = [prompts[i] for i in order]
+        outs, _ = continuous_generate(
+            target.model,
+            ps,
+            16,
+            eos_token_id=eos,
+            batch_size=batch_size,
+            temperature=1.0,
+            seeds=[1000 + i for i in order],
+        )
+        return dict(zip(order, outs, strict=True))
+
+    one = sampled(1, [0, 1, 2, 3, 4])
+    assert sampled(3, [4, 2, 0, 1, 3]) == one
+    assert one != {i: r for i, r in enumerate(refs)}  # sampled, not greedy

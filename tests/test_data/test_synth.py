@@ -96,6 +96,60 @@ def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> No
         assert "orig" not in json.dumps(row["messages"])
 
 
+def _convs_multi_turn() -> list[Conversation]:
+    return [
+        Conversation(
+            "a",
+            "t",
+            [
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "orig"},
+                {"role": "user", "content": "And of Italy?"},
+            ],
+        ),
+        Conversation("b", "t", [{"role": "user", "content": "Write a haiku about the sea."}]),
+        Conversation("c", "t", [{"role": "user", "content": "def add(a, b):"}]),
+        Conversation("d", "t", [{"role": "user", "content": "List three prime numbers, please, with reasons."}]),
+        Conversation("e", "t", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]),
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_streamed_chunks_equal_chunk_by_chunk_synth(target, temperature: float) -> None:
+    """engine=hf decodes every chunk through one engine (the next chunk's prompts fill the slots the last one
+    leaves; a conversation's next turn is queued when its answer ends): each chunk's rows equal synth_chunk's for
+    that chunk alone -- greedy, and sampled too (per-request seeds: a row's draws do not depend on its
+    neighbours) -- and its chunk is handed over once, when its last turn ends."""
+    from data.synth import synth_stream
+
+    cfg = compose(["synth.max_new_tokens=10", "synth.batch_size=3", f"synth.temperature={temperature}"])
+    convs = _convs_multi_turn()
+    chunks = [(0, convs[:2], [True, True]), (1, convs[2:4], [True, True]), (2, convs[4:], [False])]
+    expected = {i: synth_chunk(target, c, cfg.synth, 512, None, flags, seed=7) for i, c, flags in chunks}
+    got: dict[int, tuple] = {}
+
+    def on_chunk(i: int, rows: list, stats) -> None:
+        assert i not in got
+        got[i] = (rows, stats)
+
+    synth_stream(target, chunks, cfg.synth, 512, None, on_chunk, seed=7)
+    assert sorted(got) == [0, 1, 2]
+    for i in got:
+        rows, stats = got[i]
+        ref_rows, ref_stats = expected[i]
+        assert rows == ref_rows, i
+        assert (stats.turns, stats.generated_tokens, stats.prompt_tokens) == (
+            ref_stats.turns,
+            ref_stats.generated_tokens,
+            ref_stats.prompt_tokens,
+        )
+        assert stats.gen_seconds >= 0
+    assert got[0][1].turns == 3 and got[2][1].rows_original == 1  # two turns of "a"; "e" kept as it was
+    if temperature:  # sampled, not greedy: the seeds matter
+        greedy = synth_chunk(target, convs[:2], compose(["synth.max_new_tokens=10"]).synth, 512, None, seed=7)[0]
+        assert [r["gen_token_ids"] for r in greedy] != [r["gen_token_ids"] for r in got[0][0]]
+
+
 def _synth(run_dir: Path, env: dict[str, str], *extra: str, small: list[str] = SMALL) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "train", "stage=synth", *small, f"hydra.run.dir={run_dir}", *extra],
@@ -125,16 +179,16 @@ def test_kill_resume_and_shards_give_the_same_dataset(tmp_path: Path, run_env: d
     train_ids = {(r["source"], r["id"]) for r in _rows(ref_dir)}
     assert heldout and not train_ids & {(h["source"], h["id"]) for h in heldout}
 
-    # Kill a run right after its first chunk lands; the restart skips it and finishes the rest.
+    # Kill a run right after its first chunk lands (chunks decode together, so any may land first); the restart
+    # skips what landed and finishes the rest.
     proc = _synth(killed_dir, run_env)
-    first = killed_dir / "data" / "chunk-00000.parquet"
     deadline = time.time() + 600
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
+    while not list((killed_dir / "data").glob("chunk-*.parquet")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = sorted(p.name for p in (killed_dir / "data").glob("chunk-*.parquet"))
-    assert "chunk-00000.parquet" in done_before and len(done_before) < 3
+    assert 1 <= len(done_before) < 3
     assert not (killed_dir / "manifest.json").exists()
     assert not list((killed_dir / "data").glob(".*tmp*"))  # nothing half-written under a final name
     resumed = _synth(killed_dir, run_env)
