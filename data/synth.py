@@ -412,18 +412,18 @@ def synth_stream(
             work.outstanding += 1
 
     def more(want: int) -> list[list[int]]:
-        while want > len(pending) and todo:  # the next chunk, its first turns shortest first
+        while want > len(pending) and todo:  # the next chunk(s), enough to fill the free slots
             index, convs, regen = todo.pop()
             work = _ChunkWork(index, convs, regen, ChunkStats(conversations=len(convs), engine="hf"), [], [])
             work.answers = [[] for _ in convs]
             work.gen_ids = [[] for _ in convs]
-            first = len(pending)
             for i in range(len(convs)):
                 if regen[i]:
                     queue_turn(work, i, 0)
-            pending[first:] = sorted(pending[first:], key=lambda p: len(p[1].ids))
             if not work.outstanding:
                 close(work)
+        # shortest first: neighbours in length share a prefill and the cache is only as wide as its longest row
+        pending.sort(key=lambda p: len(p[1].ids))
         new = [p[1].ids for p in pending]
         meta.update(enumerate(pending, start=issued[0]))
         issued[0] += len(pending)

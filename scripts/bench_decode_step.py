@@ -1,14 +1,16 @@
 """One decode step of the target, timed: the unit of stage synth's HF engine and of replay's continuations.
 
-    python scripts/bench_decode_step.py [--rows 64] [--width 400] [--no-prepack] [--wait-policy PASSIVE]
+    python scripts/bench_decode_step.py [--rows 64] [--width 400] [--no-prepack] [--wait-policy cli]
         [--steps 5] [--profile]
 
 Builds the engine's slot cache (``data.generate._slot_cache``) of ``--rows`` rows x ``--width`` cached columns
 (random keys and values: the cost does not depend on them), then times ``--steps`` decode steps of the embedded
 float32 target after 3 of warm-up, with oneDNN-prepacked weights (``data/prepack.py``) unless ``--no-prepack``.
-``--profile`` prints torch's operator table (where a step's time goes). ``--wait-policy`` sets
-``OMP_WAIT_POLICY`` before torch loads (PASSIVE is what ``python -m train`` sets; ``unset`` leaves libgomp's
-default: spin briefly, then sleep). Prints seconds per step and tokens/s (rows / step).
+``--profile`` prints torch's operator table (where a step's time goes). ``--wait-policy`` chooses how OpenMP
+threads wait before torch loads: ``cli`` (default) as ``python -m train`` has them (``train/omp.py``:
+``GOMP_SPINCOUNT=2000`` unless the environment says otherwise), or ``OMP_WAIT_POLICY`` PASSIVE / ACTIVE, or
+``unset`` (libgomp's default: spin ~300,000 times, then sleep; ``GOMP_SPINCOUNT`` from the environment still
+applies). For the neighbour case run two at once. Prints seconds per step and tokens/s (rows / step).
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--width", type=int, default=400, help="cached columns each row attends to")
     ap.add_argument("--no-prepack", action="store_true", help="F.linear instead of the prepacked weights")
-    ap.add_argument("--wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "unset"])
+    ap.add_argument("--wait-policy", default="cli", choices=["cli", "PASSIVE", "ACTIVE", "unset"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    if args.wait_policy == "unset":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.wait_policy == "cli":
+        from train.omp import set_default_wait
+
+        set_default_wait()
+    elif args.wait_policy == "unset":
         os.environ.pop("OMP_WAIT_POLICY", None)
     else:
         os.environ["OMP_WAIT_POLICY"] = args.wait_policy
@@ -67,7 +74,8 @@ def main() -> None:
         per_step = (time.perf_counter() - t0) / args.steps
         print(
             f"rows={args.rows} width={args.width} prepacked_layers={packed} OMP_WAIT_POLICY="
-            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}: {per_step:.4f} s/step, {args.rows / per_step:.1f} tokens/s"
+            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}: "
+            f"{per_step:.4f} s/step, {args.rows / per_step:.1f} tokens/s"
         )
         if args.profile:
             from torch.profiler import ProfilerActivity, profile

@@ -12,8 +12,10 @@ HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after
   (``synth.prepack``, the default; data/prepack.py); with ``--unpacked`` also without them (``hf_unpacked``), with
   ``--unshared`` also without reusing prompts' common prefix (``synth.share_prefix=false``: ``hf_unshared``).
 
-Both run through ``data.synth.synth_chunk`` (what stage synth runs), so rows, decoding and detokenising are
-included. The baseline runs first and again last; prints tokens/s, the ratio to the mean of the baseline's two
+Each runs as stage synth runs it, over ``synth.chunk_size`` conversations a chunk, so rows, decoding and
+detokenising are included: ``hf`` streams every chunk through one engine (``data.synth.synth_stream``; before
+2026-12-03 session 22 it was one ``synth_chunk`` call over all prompts), ``hf_generate`` and ``vllm`` call
+``data.synth.synth_chunk`` chunk by chunk; tokens/s are over the chunks' ``gen_seconds``, as the manifest counts. The baseline runs first and again last; prints tokens/s, the ratio to the mean of the baseline's two
 runs, and whether every row's tokens equal the baseline's.
 
 With ``--vllm`` (needs an engine venv, ``scripts/engine_env.sh``; fp32, eager, as ``synth.vllm_*`` default):
@@ -36,11 +38,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI sets it (2 threads spin otherwise)
-
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train.omp import set_default_wait
+
+set_default_wait()  # OpenMP threads wait as the CLI has them (train/omp.py), set before torch loads
+
+import torch  # noqa: E402
 
 logger = logging.getLogger("bench_engine")
 
@@ -67,7 +70,7 @@ def main() -> None:
     from data.render import prompt_ids
     from data.sources import Conversation, SkipCounter
     from data.split import select
-    from data.synth import synth_chunk
+    from data.synth import ChunkStats, synth_chunk, synth_stream
     from data.target import load_target
     from train.config import register_configs
 
@@ -90,21 +93,19 @@ def main() -> None:
     def run(engine: str, bs: int, vllm: object = None, prepack: bool = True, share: bool = True) -> dict:
         c = replace(base_cfg, engine=engine, batch_size=bs, prepack=prepack, share_prefix=share)
         t0 = time.perf_counter()
-        if vllm is None:
-            rows, stats = synth_chunk(target, convs, c, cfg.data.max_prompt_tokens, None)
-            engine_s = time.perf_counter() - t0
-        else:  # chunk by chunk, as stage synth calls it; engine seconds as the manifest counts them
-            rows, engine_s, stats = [], 0.0, None
-            for i in range(0, len(convs), cfg.synth.chunk_size):
-                r, st = synth_chunk(
-                    target, convs[i : i + cfg.synth.chunk_size], c, cfg.data.max_prompt_tokens, None, vllm=vllm
-                )
-                rows += r
-                engine_s += st.gen_seconds
-                if stats is None:
-                    stats = st
-                else:
-                    stats.add(st)
+        chunks = [convs[i : i + cfg.synth.chunk_size] for i in range(0, len(convs), cfg.synth.chunk_size)]
+        rows, engine_s, stats = [], 0.0, ChunkStats()
+        if engine == "hf":  # as stage synth runs it: every chunk streamed through one engine
+            done: dict[int, tuple[list, ChunkStats]] = {}
+            work = [(i, ch, [True] * len(ch)) for i, ch in enumerate(chunks)]
+            synth_stream(target, work, c, cfg.data.max_prompt_tokens, None, lambda i, r, st: done.update({i: (r, st)}))
+            parts = [done[i] for i in sorted(done)]
+        else:  # chunk by chunk, as stage synth calls them; engine seconds as the manifest counts them
+            parts = [synth_chunk(target, ch, c, cfg.data.max_prompt_tokens, None, vllm=vllm) for ch in chunks]
+        for r, st in parts:
+            rows += r
+            engine_s += st.gen_seconds
+            stats.add(st)
         dt = time.perf_counter() - t0
         outs = {(r["source"], r["id"]): r["gen_token_ids"] for r in rows}
         return {

@@ -85,9 +85,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI sets it (2 threads spin otherwise)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train.omp import set_default_wait
 
-import torch
+set_default_wait()  # OpenMP threads wait as the CLI has them (train/omp.py), set before torch loads
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))

@@ -26,16 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI sets it (2 threads spin otherwise)
-
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train.omp import set_default_wait
+
+set_default_wait()  # OpenMP threads wait as the CLI has them (train/omp.py), set before torch loads
+
+import torch  # noqa: E402
 
 logger = logging.getLogger("bench_replay")
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 
-# Set before torch loads OpenMP: with few cores, spinning OpenMP workers slow batch-1 decoding a lot.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from train.omp import set_default_wait
+
+# Before torch loads OpenMP: threads spin briefly, then sleep (train/omp.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the
+# environment take precedence).
+OMP_WAIT = set_default_wait()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # oneDNN (bf16 products on CPU) caches a primitive per distinct shape, 1,024 by default; training rows of every length
 # make a new shape at nearly every step. 128 kept a 100-step bf16 cpu_1h probe at 8.6 GB peak instead of 10.9 at
@@ -195,6 +198,7 @@ def setup_runtime(cfg: Config) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     threads = cfg.runtime.num_threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    logger.debug("torch threads: %d; OpenMP wait: %s", threads, OMP_WAIT)
     if cfg.runtime.keep_freed_memory:
         keep_freed_memory()
 

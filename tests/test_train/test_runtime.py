@@ -3,6 +3,7 @@ composite in EAGLE-3's loss, and glibc's allocator kept from returning large ten
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -72,3 +73,26 @@ def test_keep_freed_memory_stops_large_tensors_faulting_in_again() -> None:
         counts[mode] = int(out.stdout.split()[-1])
     assert counts["default"] > 5 * 20_000, counts
     assert counts["keep"] < 2 * 25_000, counts
+
+
+def test_openmp_wait_is_a_short_spin_unless_the_user_chose() -> None:
+    """``python -m train`` sets ``GOMP_SPINCOUNT`` before torch loads (libgomp reads it once); a user's own
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (even empty) is left alone."""
+    from train.omp import SPIN_COUNT, set_default_wait
+
+    env: dict[str, str] = {}
+    assert set_default_wait(env) == f"GOMP_SPINCOUNT={SPIN_COUNT}" and env == {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    for mine in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": ""}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(mine)
+        set_default_wait(env)
+        assert env == mine
+    probe = (
+        "import os, sys; import train.__main__ as m; "
+        "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, m.OMP_WAIT)"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=base, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(SPIN_COUNT), "None", "True", f"GOMP_SPINCOUNT={SPIN_COUNT}"]
+    mine = {**base, "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=mine, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "PASSIVE", "True", "OMP_WAIT_POLICY=PASSIVE"]
