@@ -15,8 +15,9 @@ HumanEval first turns, <= 384 prompt tokens), greedy, fp32, in one process after
 Each runs as stage synth runs it, over ``synth.chunk_size`` conversations a chunk, so rows, decoding and
 detokenising are included: ``hf`` streams every chunk through one engine (``data.synth.synth_stream``; before
 2026-12-03 session 22 it was one ``synth_chunk`` call over all prompts), ``hf_generate`` and ``vllm`` call
-``data.synth.synth_chunk`` chunk by chunk; tokens/s are over the chunks' ``gen_seconds``, as the manifest counts. The baseline runs first and again last; prints tokens/s, the ratio to the mean of the baseline's two
-runs, and whether every row's tokens equal the baseline's.
+``data.synth.synth_chunk`` chunk by chunk; tokens/s are over the chunks' ``gen_seconds``, as the manifest counts.
+The baseline runs first and again last; prints tokens/s, the ratio to the mean of the baseline's two runs, and
+whether every row's tokens equal the baseline's.
 
 With ``--vllm`` (needs an engine venv, ``scripts/engine_env.sh``; fp32, eager, as ``synth.vllm_*`` default):
 
