@@ -47,12 +47,8 @@ def test_loss_mask_marks_exactly_the_assistant_tokens(target) -> None:
     assert cut_ids == ids[:12] and cut_mask == mask[:12]
 
 
-@pytest.mark.parametrize("engine", ["hf", "hf_generate"])
-def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> None:
-    """Synth == one-prompt greedy ``generate`` (multi-turn too), with continuous batching (3 rows for 4 prompts:
-    a finished row's slot is refilled) and with padded ``generate`` batches."""
-    cfg = compose(["synth.max_new_tokens=12", "synth.batch_size=3", f"synth.engine={engine}"])
-    convs = [
+def _convs_multi_turn() -> list[Conversation]:
+    return [
         Conversation(
             "a",
             "t",
@@ -65,7 +61,16 @@ def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> No
         Conversation("b", "t", [{"role": "user", "content": "Write a haiku about the sea."}]),
         Conversation("c", "t", [{"role": "user", "content": "def add(a, b):"}]),
         Conversation("d", "t", [{"role": "user", "content": "List three prime numbers, please, with reasons."}]),
+        Conversation("e", "t", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]),
     ]
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf_generate"])
+def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> None:
+    """Synth == one-prompt greedy ``generate`` (multi-turn too), with continuous batching (3 rows for 4 prompts:
+    a finished row's slot is refilled) and with padded ``generate`` batches."""
+    cfg = compose(["synth.max_new_tokens=12", "synth.batch_size=3", f"synth.engine={engine}"])
+    convs = _convs_multi_turn()[:4]
     rows, stats = synth_chunk(target, convs, cfg.synth, 512, None)
     assert stats.turns == 5 and len(rows) == 4
     tok = target.tokenizer
@@ -94,24 +99,6 @@ def test_greedy_synth_equals_the_targets_own_generate(target, engine: str) -> No
             history.append({"role": "assistant", "content": answer})  # conditioned on its own answer
         assert row["messages"] == history
         assert "orig" not in json.dumps(row["messages"])
-
-
-def _convs_multi_turn() -> list[Conversation]:
-    return [
-        Conversation(
-            "a",
-            "t",
-            [
-                {"role": "user", "content": "What is the capital of France?"},
-                {"role": "assistant", "content": "orig"},
-                {"role": "user", "content": "And of Italy?"},
-            ],
-        ),
-        Conversation("b", "t", [{"role": "user", "content": "Write a haiku about the sea."}]),
-        Conversation("c", "t", [{"role": "user", "content": "def add(a, b):"}]),
-        Conversation("d", "t", [{"role": "user", "content": "List three prime numbers, please, with reasons."}]),
-        Conversation("e", "t", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]),
-    ]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
