@@ -15,14 +15,13 @@ large as its padding cost allows. This engine instead
   compaction, every ``DECODE_HEADROOM`` steps, copies the cache), trimming columns that no row uses any more.
 * multiplies by weights packed once for oneDNN (:mod:`data.prepack`) where the target is float32 on a CPU,
   instead of letting every product repack them.
-
-Greedy outputs equal batch-1 greedy decoding token for token (tests); each row's computation is its own (masks
-and explicit positions), only the rounding of batched (and prepacked) matrix products could in principle differ.
 * computes the keys and values of the prefix that prompts prefilled together share (a chat template's system
   header: 24 of the quickstart's ~105 prompt tokens) once, not once per prompt, and remembers it for later groups;
 * takes further prompts from a feed while it decodes (``more``): stage synth streams all its chunks, and each
   conversation's next turn, through one engine, so no batch drains to a tail of a few rows between chunks.
 
+Greedy outputs equal batch-1 greedy decoding token for token (tests); each row's computation is its own (masks
+and explicit positions), only the rounding of batched (and prepacked) matrix products could in principle differ.
 Sampling draws every slot's token (free ones too) from one ``torch.Generator`` in slot order, so a run is
 reproducible for the same prompts, batch size and seed; with per-prompt ``seeds`` each row draws from its own
 generator instead, so its tokens do not depend on the rows it shares steps with (what stage synth uses).
@@ -378,14 +377,14 @@ def _prefill(
         else new_cache(model, [(k.expand(n_rows, -1, -1, -1), v.expand(n_rows, -1, -1, -1)) for k, v in pkv])
     )
     if not any(pads):
-        positions = None if not plen else torch.arange(plen, plen + width, device=device).expand(len(prompts), -1)
+        positions = None if not plen else torch.arange(plen, plen + width, device=device).expand(n_rows, -1)
         res = model_forward(model, ids, cache, positions, logits_to_keep=1)
         return res.logits[:, -1], _kv(cache)
     pad = torch.tensor(pads, device=device)[:, None]
     cols = torch.arange(width, device=device)[None, :]
     mask = (cols >= pad).long()
     if plen:
-        mask = torch.cat([mask.new_ones(len(prompts), plen), mask], dim=1)
+        mask = torch.cat([mask.new_ones(n_rows, plen), mask], dim=1)
     res = model_forward(model, ids, cache, plen + (cols - pad).clamp(min=0), mask, logits_to_keep=1)
     kv = _kv(cache)
     for r, n in enumerate(pads):

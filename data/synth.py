@@ -618,17 +618,16 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
                     lambda i, rows, stats: _write_chunk(out, i, rows, stats),
                     seed=cfg.seed,
                 )
-            for n, i in enumerate(todo):
-                if chunk_path(out, i).is_file():
-                    continue
-                torch.manual_seed(cfg.seed * 1_000_003 + i)  # sampling is reproducible per chunk, across resumes
-                flags = regenerate_flags(cfg.data, cfg.synth, chunks[i])
-                rows, stats = synth_chunk(
-                    target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar, flags, vllm=engine, seed=cfg.seed
-                )
-                if engine is not None and n == 0:
-                    stats.engine_start_seconds = round(engine.start_seconds, 2)
-                _write_chunk(out, i, rows, stats)
+            else:
+                for n, i in enumerate(todo):
+                    torch.manual_seed(cfg.seed * 1_000_003 + i)  # hf_generate samples reproducibly per chunk
+                    flags = regenerate_flags(cfg.data, cfg.synth, chunks[i])
+                    rows, stats = synth_chunk(
+                        target, chunks[i], cfg.synth, cfg.data.max_prompt_tokens, bar, flags, vllm=engine, seed=cfg.seed
+                    )
+                    if engine is not None and n == 0:
+                        stats.engine_start_seconds = round(engine.start_seconds, 2)
+                    _write_chunk(out, i, rows, stats)
         finished = True
     finally:
         if engine is not None:
