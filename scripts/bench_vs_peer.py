@@ -1,7 +1,7 @@
 """Ours vs the peer (speculators' own EAGLE-3 trainer) at one budget, from one command (issue 17).
 
     python scripts/bench_vs_peer.py --experiment quickstart [--synth-dir runs/quickstart/synth] [--name NAME]
-        [--num-prompts 24] [--max-new-tokens 64] [--k 3] [--reuse] [-- our stage=train overrides ...]
+        [--num-prompts 24] [--max-new-tokens 64] [--k 3] [--reuse] [--peer-from NAME] [-- our stage=train overrides ...]
 
 Every step is a subprocess, run one after the other on the same machine, so that both trainers' throughput is
 measured by this one command:
@@ -31,6 +31,14 @@ training times, and it leans towards the peer.
 
 ``--reuse`` keeps any step whose output already exists (a finished train manifest, ``peer.json``, an eval
 ``metrics.json``, a serve file), e.g. to add the vLLM step to an earlier comparison.
+
+``--peer-from NAME`` compares a new head of ours against the peer an earlier comparison ``NAME`` trained, without
+training the peer again (at the 1-hour budget it is the longest step): the peer's trainer is deterministic for a
+given synth plan, budget and seed, so its ``peer.json`` is checked to name the same synth plan and exactly the
+budget this run's manifest asks for (else the command stops and says what differs). The peer is judged by replay
+again, from its checkpoint, into ``runs/<name>_peer``; its vLLM rows are copied when the earlier comparison served
+the same prompts with the same ``--k`` and ``--max-new-tokens``, served again otherwise. Its training tokens/s are
+the earlier run's, so the throughput ratio then compares two separate runs.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -92,6 +101,36 @@ def peer_budget(manifest: dict[str, Any], layer_ids: list[int]) -> list[str]:
         "--bucket-size", str(t["bucket_size"]),
         "--max-seq-len", str(t["max_seq_len"]),
     ]  # fmt: skip
+
+
+PEER_FIXED_FLAGS = {"--synth-dir", "--out", "--judge"}
+"""bench_peer.py options this script passes besides the budget (each with a value; plus ``--overwrite``)."""
+
+
+def check_peer_reusable(peer: dict[str, Any], budget: list[str], synth_plan: str | None) -> None:
+    """Stop unless an earlier comparison's ``peer.json`` was trained on the same synth plan with exactly ``budget``
+    (bench_peer.py's arguments for our run) and nothing else changed from its defaults: the peer's trainer is
+    deterministic for a given plan, budget and seed, so its head, replay and vLLM figures can then be reused."""
+    cmd = [str(x) for x in peer.get("command", [])]
+    script = next((i for i, a in enumerate(cmd) if a.endswith("bench_peer.py")), None)
+    if script is None:
+        raise SystemExit("--peer-from: its peer.json records no bench_peer.py command")
+    argv, n = cmd[script + 1 :], len(budget)
+    if argv[-n:] != budget:
+        got = " ".join(argv[-n:])
+        raise SystemExit(f"--peer-from: the peer trained with another budget ({got}) than ours ({' '.join(budget)})")
+    head, i = argv[:-n], 0
+    while i < len(head):
+        if head[i] == "--overwrite":
+            i += 1
+        elif head[i] in PEER_FIXED_FLAGS and i + 1 < len(head):
+            i += 2
+        else:
+            raise SystemExit(f"--peer-from: the peer was trained with an extra option {head[i]!r}")
+    if peer.get("synth_plan") != synth_plan:
+        raise SystemExit(
+            f"--peer-from: the peer trained on another synth plan ({peer.get('synth_plan')}) than ours ({synth_plan})"
+        )
 
 
 def vllm_records(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -158,6 +197,18 @@ def serve(args: argparse.Namespace, target: Any, prompts_path: Path, draft_dir: 
     return read_json(out)
 
 
+def same_serving(earlier: Path, prompts_path: Path, args: argparse.Namespace) -> bool:
+    """Whether an earlier comparison served its peer on the same prompts with the same K and token count."""
+    try:
+        summary = read_json(earlier / "summary.json")
+        same_prompts = (earlier / "serve" / "prompts.json").read_bytes() == prompts_path.read_bytes()
+    except (OSError, ValueError):
+        return False
+    v = summary.get("vllm") or {}
+    served = (earlier / "serve" / f"vllm_peer_k{args.k}.json").is_file()
+    return served and same_prompts and v.get("k") == args.k and v.get("max_new_tokens") == args.max_new_tokens
+
+
 def markdown(s: dict[str, Any]) -> str:
     from eval.replay import describe_paired
 
@@ -206,6 +257,14 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--no-serve", action="store_true", help="skip the vLLM step")
     ap.add_argument("--reuse", action="store_true", help="keep steps whose outputs exist")
+    ap.add_argument(
+        "--peer-from",
+        default=None,
+        metavar="NAME",
+        help="reuse the peer of an earlier comparison NAME (runs/peer/NAME) instead of training it again, after "
+        "checking it trained on the same synth plan with the same budget; its vLLM rows too when it served the same "
+        "prompts with the same --k and --max-new-tokens",
+    )
     ap.add_argument("--engine-python", default=str(ENGINE_PYTHON))
     argv = sys.argv[1:]
     extra: list[str] = []
@@ -244,8 +303,19 @@ def main() -> None:
     layer_ids = read_json(best / "config.json")["draftsmith"]["layer_ids"]
 
     # 2. the peer, same budget
-    peer_dir = REPO / "runs" / "peer" / name
-    if not (args.reuse and (peer_dir / "peer.json").is_file()):
+    peer_dir = REPO / "runs" / "peer" / (args.peer_from or name)
+    peer_train_dir = REPO / "runs" / f"{args.peer_from or name}_peer" / "train"
+    if args.peer_from:
+        from data.manifest import read_manifest
+
+        if not (peer_dir / "peer.json").is_file():
+            raise SystemExit(f"--peer-from {args.peer_from}: {peer_dir / 'peer.json'} not found")
+        synth_plan = read_manifest(Path(synth_dir) / "manifest.json").get("plan_hash")
+        check_peer_reusable(read_json(peer_dir / "peer.json"), peer_budget(ours_manifest, layer_ids), synth_plan)
+        if not (peer_train_dir / "best").is_dir():
+            raise SystemExit(f"--peer-from {args.peer_from}: the peer's checkpoint {peer_train_dir / 'best'} is gone")
+        logger.info("reusing the peer of %s (same synth plan and budget)", args.peer_from)
+    elif not (args.reuse and (peer_dir / "peer.json").is_file()):
         run([py, str(REPO / "scripts" / "bench_peer.py"), "--synth-dir", synth_dir, "--out", str(peer_dir),
              "--overwrite", "--judge", peer_run, *peer_budget(ours_manifest, layer_ids)],
             out / "logs" / "peer_train.log")  # fmt: skip
@@ -267,9 +337,12 @@ def main() -> None:
     metrics = {}
     for run_name in (ours_run, peer_run):
         path = REPO / "runs" / run_name / "eval" / "metrics.json"
+        # a reused peer is judged from its earlier checkpoint, into this comparison's own run
+        where = [f"train_dir={peer_train_dir}"] if args.peer_from and run_name == peer_run else []
         if not (args.reuse and path.is_file()):
-            run([py, "-m", "train", "stage=eval", *common, f"run_name={run_name}", "eval.mode=replay",
-                 "eval.proposers=[drafter]", "overwrite=true"], out / "logs" / f"eval_{run_name}.log")  # fmt: skip
+            cmd = [py, "-m", "train", "stage=eval", *common, f"run_name={run_name}", "eval.mode=replay",
+                   "eval.proposers=[drafter]", "overwrite=true", *where]  # fmt: skip
+            run(cmd, out / "logs" / f"eval_{run_name}.log")
         metrics[run_name] = read_json(path)["metrics"]
     replay = {}
     for method in sorted(k for k in metrics[ours_run] if k != "plain" and k in metrics[peer_run]):
@@ -302,7 +375,13 @@ def main() -> None:
         )
         export_dir, _ = export_for_engine(target, best, serve_dir)
         eng_ours = serve(args, target, prompts_path, export_dir, serve_dir / f"vllm_ours_k{args.k}.json")
-        eng_peer = serve(args, target, prompts_path, peer_dir, serve_dir / f"vllm_peer_k{args.k}.json")
+        peer_serve = serve_dir / f"vllm_peer_k{args.k}.json"
+        if args.peer_from and not peer_serve.is_file():
+            earlier = REPO / "runs" / args.peer_from
+            if same_serving(earlier, prompts_path, args):
+                shutil.copyfile(earlier / "serve" / peer_serve.name, peer_serve)
+                logger.info("the peer's vLLM rows reused from %s", earlier)
+        eng_peer = serve(args, target, prompts_path, peer_dir, peer_serve)
         vllm = {
             "k": args.k,
             "max_new_tokens": args.max_new_tokens,
@@ -321,6 +400,7 @@ def main() -> None:
         "synth_dir": synth_dir,
         "budget": " ".join(peer_budget(ours_manifest, layer_ids)),
         "overrides": overrides,
+        "peer_from": args.peer_from,
         "throughput": throughput,
         "replay": replay,
         "vllm": vllm,

@@ -83,3 +83,42 @@ def test_vs_peer_budget_and_vllm_statistics() -> None:
     assert r["all"]["outputs_identical"] == 2 and r["a"]["outputs_identical"] == 2
     with pytest.raises(SystemExit, match="same prompts"):
         compare_vllm(ours, peer[::-1], k=3)
+
+
+def test_vs_peer_reuses_a_peer_only_for_the_same_plan_and_budget(tmp_path: Path) -> None:
+    """--peer-from: an earlier comparison's peer is reused only if its peer.json names the same synth plan and exactly
+    the budget our run asks for, with no other bench_peer.py option; the peer's vLLM rows only for the same prompts,
+    K and token count."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import argparse
+
+    from bench_vs_peer import check_peer_reusable, same_serving
+
+    budget = ["--steps", "150", "--batch-rows", "8", "--lr", "0.001", "--seed", "2"]
+    cmd = ["/usr/bin/python", "/x/scripts/bench_peer.py", "--synth-dir", "runs/s/synth", "--out", "runs/peer/a",
+           "--overwrite", "--judge", "a_peer", *budget]  # fmt: skip
+    peer = {"command": cmd, "synth_plan": "abc"}
+    check_peer_reusable(peer, budget, "abc")  # the same: no error
+    with pytest.raises(SystemExit, match="another budget"):
+        check_peer_reusable(peer, [*budget[:-1], "3"], "abc")  # another seed
+    with pytest.raises(SystemExit, match="another synth plan"):
+        check_peer_reusable(peer, budget, "abd")
+    with pytest.raises(SystemExit, match="extra option '--optimizer'"):
+        check_peer_reusable({**peer, "command": [*cmd[: -len(budget)], "--optimizer", "adamw", *budget]}, budget, "abc")
+    with pytest.raises(SystemExit, match=r"no bench_peer\.py command"):
+        check_peer_reusable({"synth_plan": "abc"}, budget, "abc")
+
+    earlier = tmp_path / "a"
+    (earlier / "serve").mkdir(parents=True)
+    (earlier / "serve" / "prompts.json").write_text('[{"id": "1", "input_ids": [1, 2]}]')
+    (earlier / "serve" / "vllm_peer_k3.json").write_text("{}")
+    (earlier / "summary.json").write_text(json.dumps({"vllm": {"k": 3, "max_new_tokens": 64}}))
+    ours = tmp_path / "prompts.json"
+    ours.write_text('[{"id": "1", "input_ids": [1, 2]}]')
+    args = argparse.Namespace(k=3, max_new_tokens=64)
+    assert same_serving(earlier, ours, args)
+    assert not same_serving(earlier, ours, argparse.Namespace(k=3, max_new_tokens=128))
+    assert not same_serving(earlier, ours, argparse.Namespace(k=2, max_new_tokens=64))
+    ours.write_text('[{"id": "1", "input_ids": [1, 3]}]')
+    assert not same_serving(earlier, ours, args)
+    assert not same_serving(tmp_path / "none", ours, args)
