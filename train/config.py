@@ -78,8 +78,12 @@ class TrainConfig(Choices):
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
     ema_decay: float = 0.0
-    """Keep an exponential moving average of the trainable weights (decay ``min(ema_decay, (1 + n) / (10 + n))``
-    after the n-th optimizer step) and save, check and publish the averaged weights; 0 = off."""
+    """Keep an exponential moving average of the trainable weights (decay ``min(ema_decay, (1 + n) /
+    (ema_warmup + n))`` after the n-th optimizer step) and save, check and publish the averaged weights; 0 = off."""
+    ema_warmup: float = 10.0
+    """How fast the average's decay ramps up to ``ema_decay``: it reaches 0.98 after ``49 * ema_warmup - 50``
+    steps (440 at the default 10, so a 150-step run averages over only its last ~18 steps whatever ``ema_decay``
+    says); 1 = ``ema_decay`` from the first step. Must be >= 1."""
     max_seq_len: int = 1024
     """Training rows are cut to this many tokens."""
     max_rows: int | None = None

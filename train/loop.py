@@ -106,6 +106,8 @@ def validate_train(cfg: Config) -> None:
         errors.append(f"train.max_rows={t.max_rows} must be >= 1 (or null: every row)")
     if not 0.0 <= t.ema_decay < 1.0:
         errors.append(f"train.ema_decay={t.ema_decay} must be in [0, 1) (0 = no weight average)")
+    if not t.ema_warmup >= 1.0:
+        errors.append(f"train.ema_warmup={t.ema_warmup} must be >= 1")
     if t.ema_decay > 0 and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3:
         errors.append("train.ema_decay needs whole parameters on every process: not with deepspeed.zero_stage=3")
     if cfg.drafter is None:
@@ -149,17 +151,18 @@ def lr_lambda(train: TrainConfig) -> Any:
 class WeightAverage:
     """An exponential moving average of the drafter's trainable weights (``train.ema_decay``), by their names in
     the unwrapped model. Registered with accelerate for checkpointing, so a resumed run continues the same average.
-    The decay ramps up as ``min(decay, (1 + n) / (10 + n))`` after n updates, so early weights fade quickly."""
+    The decay ramps up as ``min(decay, (1 + n) / (warmup + n))`` after n updates, so early weights fade quickly."""
 
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+    def __init__(self, model: torch.nn.Module, decay: float, warmup: float = 10.0) -> None:
         self.decay = decay
+        self.warmup = warmup
         self.updates = 0
         self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
         self.updates += 1
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        d = min(self.decay, (1 + self.updates) / (self.warmup + self.updates))
         for n, p in model.named_parameters():
             if n in self.shadow:
                 self.shadow[n].lerp_(p.detach().float(), 1.0 - d)
@@ -312,7 +315,7 @@ class Trainer:
         self.acc.register_for_checkpointing(self.scheduler)
         self.ema: WeightAverage | None = None
         if cfg.train.ema_decay > 0:
-            self.ema = WeightAverage(self.acc.unwrap_model(self.model), cfg.train.ema_decay)
+            self.ema = WeightAverage(self.acc.unwrap_model(self.model), cfg.train.ema_decay, cfg.train.ema_warmup)
             self.acc.register_for_checkpointing(self.ema)
 
     def _setup_tracking(self, n_rows: int) -> None:

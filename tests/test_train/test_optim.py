@@ -143,3 +143,33 @@ def test_eagle3_trains_with_muon_and_resumes_exactly(synth_dir: Path, tmp_path: 
     assert _losses(adamw)[0] == pytest.approx(losses[0], rel=1e-6)  # same start, other optimizer
     assert abs(_losses(adamw)[3] - losses[3]) > 1e-3 * losses[3]
     assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)
+
+
+def test_weight_average_warmup_sets_how_fast_the_decay_ramps() -> None:
+    """train.ema_warmup: after n updates the average's decay is min(ema_decay, (1 + n) / (ema_warmup + n)); at the
+    default 10 a short run's average ignores ema_decay, at 1 the decay is ema_decay from the first update; values
+    below 1 are refused."""
+    from data.config import ConfigError
+    from train.config import Config
+    from train.loop import WeightAverage, validate_train
+
+    def shadow_after(decay: float, warmup: float, updates: int) -> float:
+        m = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            m.weight.zero_()
+        avg = WeightAverage(m, decay, warmup)
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+        for _ in range(updates):
+            avg.update(m)
+        return float(avg.shadow["weight"])
+
+    assert shadow_after(0.98, 10.0, 1) == pytest.approx(1 - 2 / 11)  # the ramp, not 0.98
+    assert shadow_after(0.98, 1.0, 1) == pytest.approx(0.02)  # ema_decay from the start
+    # at the default ramp, 0.98 and 0.99 are the same average until the ramp reaches 0.98 (440 updates)
+    assert shadow_after(0.98, 10.0, 150) == shadow_after(0.99, 10.0, 150)
+    assert shadow_after(0.98, 2.0, 150) != pytest.approx(shadow_after(0.99, 2.0, 150), abs=1e-6)
+    cfg = Config()
+    cfg.train.ema_warmup = 0.5
+    with pytest.raises(ConfigError, match=r"ema_warmup=0\.5 must be >= 1"):
+        validate_train(cfg)
