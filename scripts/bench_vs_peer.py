@@ -376,12 +376,14 @@ def main() -> None:
         export_dir, _ = export_for_engine(target, best, serve_dir)
         eng_ours = serve(args, target, prompts_path, export_dir, serve_dir / f"vllm_ours_k{args.k}.json")
         peer_serve = serve_dir / f"vllm_peer_k{args.k}.json"
-        if args.peer_from and not peer_serve.is_file():
-            earlier = REPO / "runs" / args.peer_from
-            if same_serving(earlier, prompts_path, args):
+        earlier = REPO / "runs" / str(args.peer_from)
+        if args.peer_from and same_serving(earlier, prompts_path, args):
+            if earlier.resolve() != out.resolve():
                 shutil.copyfile(earlier / "serve" / peer_serve.name, peer_serve)
-                logger.info("the peer's vLLM rows reused from %s", earlier)
-        eng_peer = serve(args, target, prompts_path, peer_dir, peer_serve)
+            logger.info("the peer's vLLM rows reused from %s", earlier)
+            eng_peer = read_json(peer_serve)
+        else:
+            eng_peer = serve(args, target, prompts_path, peer_dir, peer_serve)
         vllm = {
             "k": args.k,
             "max_new_tokens": args.max_new_tokens,

@@ -18,7 +18,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from data.config import ConfigError, changed_keys, is_safe_change
+from data.config import ConfigError, changed_keys, flat_config, is_safe_change
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +113,25 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def compare_resume_config(saved: dict[str, Any] | None, requested: dict[str, Any], where: Path) -> dict[str, Any]:
+def compare_resume_config(
+    saved: dict[str, Any] | None, requested: dict[str, Any], where: Path, defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The safe changes ``{key: [old, new]}`` between the run's saved config and the requested one; raises
-    :class:`ConfigError` naming the other changed keys (they would make the resumed run another run)."""
+    :class:`ConfigError` naming the other changed keys (they would make the resumed run another run).
+
+    ``defaults`` (the schema's defaults, nested like ``requested``): a key the saved config lacks (added to the code
+    after the checkpoint was written) counts as unchanged when it is requested at its schema default, because a new
+    key's schema default is what the code did before the key existed."""
     if saved is None:
         logger.warning("%s records no config (an older checkpoint): cannot check the resumed config", where)
         return {}
     diff = changed_keys(saved, requested)
+    if defaults is not None:
+        flat_defaults = flat_config(defaults)
+        added = [k for k, (a, b) in diff.items() if a == "<unset>" and k in flat_defaults and flat_defaults[k] == b]
+        if added:
+            logger.info("resume: keys newer than the checkpoint, at their defaults (the old behaviour): %s", added)
+        diff = {k: v for k, v in diff.items() if k not in added}
     unsafe = {k: v for k, v in diff.items() if not is_safe_change(k)}
     if unsafe:
         shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(unsafe.items())[:10])

@@ -21,7 +21,7 @@ import shutil
 import signal
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -372,8 +372,15 @@ class Trainer:
                 saved = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError):
                 continue  # corrupt: the resume itself skips it (and says so)
-            return compare_resume_config(saved.get("config"), asdict(self.cfg), ckpt)
+            return compare_resume_config(saved.get("config"), asdict(self.cfg), ckpt, self._schema_defaults())
         return {}
+
+    def _schema_defaults(self) -> dict[str, Any]:
+        """The schema's defaults for this run's config (its drafter family's included), for the resume check."""
+        defaults = Config()
+        if is_dataclass(self.cfg.drafter):
+            defaults.drafter = type(self.cfg.drafter)()
+        return asdict(defaults)
 
     def _resume_or_refuse(self) -> None:
         existing = self._checkpoints()

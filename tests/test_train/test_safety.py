@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -167,6 +168,15 @@ def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoi
     _user_error(res, "train.lr", "0.001 -> 0.05")
     assert "Target smollm2-135m loaded" not in res.stdout + res.stderr
 
+    # 4. checkpoints written before a config key existed (here train.ema_warmup, stripped from their saved config):
+    # resumable at the key's schema default (the old code's behaviour; steps 7 below), refused at any other value
+    for state_file in ckpts.glob("step-*/trainer_state.json"):
+        state = json.loads(state_file.read_text())
+        del state["config"]["train"]["ema_warmup"]
+        state_file.write_text(json.dumps(state))
+    res = _run([*base, "train.max_steps=6", "resume=true", "train.ema_warmup=2"], run_env)
+    _user_error(res, "train.ema_warmup", "'<unset>' -> 2.0")
+
     # 6. a planted pickle in the checkpoint would run code under accelerate's weights_only=False: refused
     marker = tmp_path / "pwned"
     pkl = ckpts / "step-000004" / "state" / "custom_checkpoint_0.pkl"
@@ -194,6 +204,24 @@ def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoi
     assert (ckpts / "step-000005").is_dir() and (run / "best" / "model.safetensors").is_file()
     assert (ckpts / ".step-000004.corrupt" / "state" / "optimizer.bin").is_file()  # set aside, not resumed again
     assert not (ckpts / ".step-000006.tmp").exists() and "removing the unfinished checkpoint" in out
+
+
+def test_resume_treats_a_newer_key_at_its_default_as_unchanged(tmp_path: Path) -> None:
+    """A key the checkpoint's saved config lacks (the code gained it later) is unchanged at its schema default and a
+    refused change at any other value; a key the saved config has is compared as before."""
+    from data.config import ConfigError
+    from train.checkpoints import compare_resume_config
+
+    saved = {"train": {"lr": 1e-3, "max_steps": 4}}
+    defaults = {"train": {"lr": 1e-3, "max_steps": 100, "ema_warmup": 10.0}}
+    requested = {"train": {"lr": 1e-3, "max_steps": 6, "ema_warmup": 10.0}}
+    assert compare_resume_config(saved, requested, tmp_path, defaults) == {"train.max_steps": [4, 6]}
+    with pytest.raises(ConfigError, match=re.escape("train.ema_warmup: '<unset>' -> 10.0")):
+        compare_resume_config(saved, requested, tmp_path)  # no defaults given: every new key is a change
+    with pytest.raises(ConfigError, match=re.escape("train.ema_warmup: '<unset>' -> 2.0")):
+        compare_resume_config(saved, {"train": {**requested["train"], "ema_warmup": 2.0}}, tmp_path, defaults)
+    with pytest.raises(ConfigError, match=re.escape("train.lr: 0.001 -> 0.002")):
+        compare_resume_config(saved, {"train": {**requested["train"], "lr": 2e-3}}, tmp_path, defaults)
 
 
 # -- 1. an empty held-out split ------------------------------------------------------------------------------------
