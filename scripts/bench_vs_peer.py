@@ -376,8 +376,8 @@ def main() -> None:
         export_dir, _ = export_for_engine(target, best, serve_dir)
         eng_ours = serve(args, target, prompts_path, export_dir, serve_dir / f"vllm_ours_k{args.k}.json")
         peer_serve = serve_dir / f"vllm_peer_k{args.k}.json"
-        earlier = REPO / "runs" / str(args.peer_from)
-        if args.peer_from and same_serving(earlier, prompts_path, args):
+        earlier = REPO / "runs" / args.peer_from if args.peer_from else None
+        if earlier is not None and same_serving(earlier, prompts_path, args):
             if earlier.resolve() != out.resolve():
                 shutil.copyfile(earlier / "serve" / peer_serve.name, peer_serve)
             logger.info("the peer's vLLM rows reused from %s", earlier)
