@@ -279,6 +279,33 @@ def test_norm_from_target_makes_the_initial_draft_logits_the_targets(target) -> 
         spec.build(spec.config_cls(draft_vocab_size=512, init_norm_from_target=True), NoNorm())
 
 
+def test_draft_layer_can_start_from_a_target_layer(target) -> None:
+    """drafter.init_layer_from_target=i: the draft layer starts as the target's decoder layer i (MLP, norms, o_proj,
+    and its q/k/v acting on the feature half of the 2H-wide input), so on a zero embedding half its attention
+    projections and MLP compute the target layer's; by default (None) they do not; an index outside the target's
+    layers is refused."""
+    from data.config import ConfigError
+
+    layers = target.model.get_decoder().layers
+    H = target.model.config.hidden_size
+    x = torch.randn(3, H)
+    xin = torch.cat([torch.zeros(3, H), x], dim=-1)
+    for index in (-1, 15, None):
+        _spec, _cfg, head = _head(target, draft_vocab_size=512, init_layer_from_target=index)
+        mid = head.midlayer
+        src = layers[index if index is not None else -1]
+        with torch.no_grad():
+            same = [
+                torch.allclose(getattr(mid.self_attn, n)(xin), getattr(src.self_attn, n)(x), atol=1e-5)
+                for n in ("q_proj", "k_proj", "v_proj")
+            ]
+            same.append(torch.allclose(mid.mlp(x), src.mlp(x), atol=1e-5))
+            same.append(torch.equal(mid.hidden_norm.weight, src.input_layernorm.weight))
+        assert all(same) if index is not None else not any(same[:4])
+    with pytest.raises(ConfigError, match="init_layer_from_target=30"):
+        _head(target, draft_vocab_size=512, init_layer_from_target=30)
+
+
 @pytest.mark.parametrize("loss_all_positions", [False, True])
 def test_teacher_temperature_divides_the_targets_logits(target, loss_all_positions: bool) -> None:
     """drafter.teacher_temperature=T: the loss at T equals the loss at 1 against a target whose LM head is divided

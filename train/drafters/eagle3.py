@@ -95,6 +95,11 @@ class Eagle3Config(Choices):
     init_norm_from_target: bool = False
     """Start the head's final norm (``norm``, in front of the draft LM head) at the target's final norm weights
     instead of ones: the draft LM head starts at the target's rows, which expect features scaled by that norm."""
+    init_layer_from_target: int | None = None
+    """Start the draft decoder layer from one of the target's decoder layers (0-based; negative counts from the end,
+    -1 = the last) instead of a random init: its MLP, post-attention norm and ``o_proj``, its input norm as
+    ``hidden_norm``, and its q/k/v projections as the feature half of the 2H-wide q/k/v (the embedding half keeps
+    its random init). None = random (EAGLE-3 as published)."""
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
@@ -273,6 +278,40 @@ def final_norm(target: Any) -> nn.Module:
     return norm
 
 
+def init_layer_from_target(head: Eagle3Head, target: Any, index: int) -> None:
+    """Copy target decoder layer ``index`` into the head's draft layer (see ``Eagle3Config.init_layer_from_target``)."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
+    layers = getattr(decoder, "layers", None)
+    n = len(layers) if layers is not None else 0
+    if not -n <= index < n:
+        raise ConfigError(f"drafter.init_layer_from_target={index}: the target has {n} decoder layers")
+    src, dst = layers[index], head.midlayer
+    H = head.hidden_size
+    pairs = [
+        (dst.mlp.gate_proj, src.mlp.gate_proj),
+        (dst.mlp.up_proj, src.mlp.up_proj),
+        (dst.mlp.down_proj, src.mlp.down_proj),
+        (dst.post_attention_layernorm, src.post_attention_layernorm),
+        (dst.hidden_norm, src.input_layernorm),
+        (dst.self_attn.o_proj, src.self_attn.o_proj),
+    ]
+    with torch.no_grad():
+        for d, s in pairs:
+            if d.weight.shape != s.weight.shape:
+                raise ConfigError(
+                    f"drafter.init_layer_from_target: target layer {index} does not match the draft layer "
+                    f"({tuple(s.weight.shape)} vs {tuple(d.weight.shape)})"
+                )
+            d.weight.copy_(s.weight)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            d, s = getattr(dst.self_attn, name), getattr(src.self_attn, name)
+            if d.weight.shape != (s.weight.shape[0], 2 * H) or s.weight.shape[1] != H:
+                raise ConfigError(f"drafter.init_layer_from_target: target layer {index}'s {name} does not fit")
+            d.weight[:, H:].copy_(s.weight)
+            if d.bias is not None and s.bias is not None:
+                d.bias.copy_(s.bias)
+
+
 def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
     tcfg = target.config
     layer_ids = resolve_layer_ids(cfg, tcfg)
@@ -287,6 +326,8 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[:vd])
         if cfg.init_norm_from_target:
             head.norm.weight.copy_(final_norm(target).weight)
+    if cfg.init_layer_from_target is not None:
+        init_layer_from_target(head, target, int(cfg.init_layer_from_target))
     head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     return head.to(next(target.parameters()).dtype)
 
