@@ -63,6 +63,7 @@ def test_gradients_and_other_dtypes_fall_back(target, batch) -> None:
     assert "forward" not in lin.__dict__
     with prepacked_linears(model, enabled=False) as n:
         assert n == 0 and "forward" not in lin.__dict__
+
     class Scaled(nn.Linear):  # a subclass with its own forward is left alone
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * super().forward(x)

@@ -306,6 +306,30 @@ def test_draft_layer_can_start_from_a_target_layer(target) -> None:
         _head(target, draft_vocab_size=512, init_layer_from_target=30)
 
 
+def test_dropout_acts_in_training_only(target) -> None:
+    """drafter.dropout=p: in training mode two forwards of the same input differ (dropout on the draft layer's
+    attention and MLP outputs); in eval mode the head computes exactly what a head without dropout computes (the
+    same weights), so drafting and export are unchanged; p outside [0, 1) is refused."""
+    from data.config import ConfigError
+
+    H = target.model.config.hidden_size
+    feats = torch.randn(2, 6, 3 * H)
+    ids = torch.randint(0, 500, (2, 6))
+    pos = torch.arange(6).expand(2, 6)
+    _spec, _cfg, plain = _head(target, draft_vocab_size=512)
+    _spec, _cfg, head = _head(target, draft_vocab_size=512, dropout=0.2)
+    head.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        assert torch.equal(head(feats, ids, pos)[0], plain(feats, ids, pos)[0])  # eval mode: no dropout
+        head.train()
+        a, b = head(feats, ids, pos)[0], head(feats, ids, pos)[0]
+        assert not torch.allclose(a, b)
+        plain.train()
+        assert torch.equal(plain(feats, ids, pos)[0], plain(feats, ids, pos)[0])  # p = 0: deterministic
+    with pytest.raises(ConfigError, match="dropout"):
+        _head(target, draft_vocab_size=512, dropout=1.0)
+
+
 @pytest.mark.parametrize("loss_all_positions", [False, True])
 def test_teacher_temperature_divides_the_targets_logits(target, loss_all_positions: bool) -> None:
     """drafter.teacher_temperature=T: the loss at T equals the loss at 1 against a target whose LM head is divided

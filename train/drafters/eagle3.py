@@ -83,6 +83,9 @@ class Eagle3Config(Choices):
     feature_noise: float = 0.0
     """Training only: Gaussian noise on each fused target layer, its std this fraction of the token's RMS in that
     layer (EAGLE trains its feature head on noised target features, uniform +-0.1); 0 = none."""
+    dropout: float = 0.0
+    """Training only: dropout on the draft layer's attention and MLP outputs (before each residual add); 0 = none
+    (EAGLE, SpecForge and speculators train without it)."""
     teacher_temperature: float = 1.0
     """Training only: the target's distribution the loss matches is ``softmax(logits / teacher_temperature)``; below
     1 it is sharpened towards the target's top token (what greedy verification accepts), 1 = the distribution
@@ -154,6 +157,8 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: Any, norm_before_residual: bool = False) -> None:
         super().__init__()
         self.norm_before_residual = norm_before_residual
+        self.dropout = 0.0
+        """Training only: dropout on the attention and MLP outputs (set by ``build`` from the config)."""
         hidden = config.hidden_size
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
@@ -180,8 +185,10 @@ class Eagle3Layer(nn.Module):
         a, kv = self.self_attn(x, cos, sin, past, mask, queries)
         if queries is not None:
             h = gather_rows(h, queries)
-        h = h + a
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        p = self.dropout if self.training else 0.0
+        h = h + (nn.functional.dropout(a, p) if p else a)
+        m = self.mlp(self.post_attention_layernorm(h))
+        h = h + (nn.functional.dropout(m, p) if p else m)
         return h, kv
 
 
@@ -319,8 +326,11 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
         raise ConfigError(f"drafter.ttt_steps={cfg.ttt_steps} must be >= 1")
     if not cfg.teacher_temperature > 0:
         raise ConfigError(f"drafter.teacher_temperature={cfg.teacher_temperature} must be > 0")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"drafter.dropout={cfg.dropout} must be in [0, 1)")
     vd = draft_vocab(cfg, tcfg)
     head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(cfg))
+    head.midlayer.dropout = float(cfg.dropout)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[:vd])
