@@ -272,10 +272,14 @@ class Eagle3Head(nn.Module):
         return out
 
 
+def target_decoder(target: Any) -> Any:
+    """The target's decoder stack (``model.model`` of a Llama-style causal LM), or None."""
+    return target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
+
+
 def final_norm(target: Any) -> nn.Module:
     """The target's final norm (the module in front of its LM head), for a Llama-style decoder."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
-    norm = getattr(decoder, "norm", None)
+    norm = getattr(target_decoder(target), "norm", None)
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.shape != (target.config.hidden_size,):
         raise ConfigError(
@@ -287,8 +291,7 @@ def final_norm(target: Any) -> nn.Module:
 
 def init_layer_from_target(head: Eagle3Head, target: Any, index: int) -> None:
     """Copy target decoder layer ``index`` into the head's draft layer (see ``Eagle3Config.init_layer_from_target``)."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(target_decoder(target), "layers", None)
     n = len(layers) if layers is not None else 0
     if not -n <= index < n:
         raise ConfigError(f"drafter.init_layer_from_target={index}: the target has {n} decoder layers")
