@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Training throughput of the four drafter families, back to back on one quiet machine, same data and batch:
 # the quickstart synth data (runs/quickstart/synth), precomputed target features (the last layer for eagle,
-# medusa and standalone: runs/quickstart/features; layers 2/15/27/30 for eagle3: runs/quickstart_eagle3/features,
-# both written by the family benchmarks), 8 rows per step, DeepSpeed ZeRO-2, 1 process, no periodic checks:
+# medusa and standalone: runs/quickstart_eagle/features, written by `bash scripts/bench_family.sh eagle`; layers
+# 2/15/27/30 for eagle3: runs/quickstart/features, written by the quickstart itself), 8 rows per step, DeepSpeed ZeRO-2, 1 process, no periodic checks:
 #   bash scripts/bench_train_families.sh [steps=20] [extra overrides...]
 # Prints sequence tokens/s and supervised (target-written) tokens/s per family from each run's manifest.
 set -euo pipefail
@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 STEPS=${1:-20}
 shift $(( $# >= 1 ? 1 : 0 ))
 for fam in eagle eagle3 medusa standalone; do
-  feats=runs/quickstart/features
-  [[ $fam == eagle3 ]] && feats=runs/quickstart_eagle3/features
+  feats=runs/quickstart_eagle/features
+  [[ $fam == eagle3 ]] && feats=runs/quickstart/features
   python3 -m train stage=train experiment=quickstart drafter=$fam run_name=tps_$fam synth_dir=runs/quickstart/synth \
     train.features_dir=$feats train.max_steps="$STEPS" train.warmup_steps=2 train.save_every=100000 train.eval_every=0 \
     train.eval_prompts=1 train.eval_max_new_tokens=4 wandb.mode=disabled overwrite=true \

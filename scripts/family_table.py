@@ -1,7 +1,7 @@
 """The drafter families side by side, from the run directories that scripts/bench_family.sh wrote.
 
     python scripts/family_table.py quickstart          # runs/quickstart_{eagle,eagle3,medusa,standalone}
-    python scripts/family_table.py cpu_1h              # eagle from runs/cpu_1h when runs/cpu_1h_eagle is absent
+    python scripts/family_table.py cpu_1h              # eagle3 from runs/cpu_1h when runs/cpu_1h_eagle3 is absent
 
 Prints a Markdown table: held-out tau per source (chain K and each family's default tree), wall-clock speedup
 over plain decoding and the draft cost ratio c (both measured in the same eval process), training tokens/s,
@@ -21,6 +21,14 @@ def _size_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
 
 
+def _family(run: Path) -> str | None:
+    """The drafter family a run trained (its train manifest), None without one."""
+    manifest = run / "train" / "manifest.json"
+    if not manifest.is_file():
+        return None
+    return json.loads(manifest.read_text())["config"]["drafter"].get("name")
+
+
 def main() -> None:
     exp = sys.argv[1] if len(sys.argv) > 1 else "quickstart"
     head = (
@@ -32,7 +40,7 @@ def main() -> None:
     floor = None
     for fam in FAMILIES:
         run = Path("runs") / f"{exp}_{fam}"
-        if fam == "eagle" and not run.is_dir():  # `stage=all experiment=<exp>` trains eagle in runs/<exp>
+        if not run.is_dir() and _family(Path("runs") / exp) == fam:  # `stage=all experiment=<exp>`'s own run
             run = Path("runs") / exp
         if not (run / "eval" / "metrics.json").is_file():
             print(f"| {fam} | (no run in {run}) | | | | | | | | |")

@@ -171,7 +171,8 @@ def test_synth_array_and_merge_equal_one_process_synth(
 @needs_slurm
 def test_two_task_cpu_deepspeed_training_job(array_synth: tuple[Path, dict[str, Any]], root: Path) -> None:
     synth, _ = array_synth
-    jobs = submit(["stage=train", *SYNTH, *TRAIN, "run_name=ref", f"runs_root={root}", f"synth_dir={synth}", *CPU2])
+    args = ["stage=train", *SYNTH, *TRAIN, "drafter=eagle", "run_name=ref", f"runs_root={root}", f"synth_dir={synth}"]
+    jobs = submit([*args, *CPU2])
     (job,) = jobs["jobs"]
     assert job["processes"] == 2
     wait([job["id"]], timeout=400)
@@ -191,7 +192,8 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(
     ref = root / "ref" / "train"
     if not (ref / "manifest.json").is_file():
         pytest.skip("needs the uninterrupted run of test_two_task_cpu_deepspeed_training_job")
-    jobs = submit(["stage=train", *SYNTH, *TRAIN, "run_name=pre", f"runs_root={root}", f"synth_dir={synth}", *CPU2])
+    args = ["stage=train", *SYNTH, *TRAIN, "drafter=eagle", "run_name=pre", f"runs_root={root}", f"synth_dir={synth}"]
+    jobs = submit([*args, *CPU2])
     (job,) = jobs["jobs"]
     log = Path(jobs["logs"]) / f"pre-train-{job['id']}.out"
     deadline = time.time() + 300

@@ -46,6 +46,8 @@ def test_quickstart_is_small() -> None:
     assert cfg.data.num_prompts is not None and cfg.data.num_prompts <= 200
     assert set(cfg.data.sources) == {"sharegpt", "humaneval"}
     assert cfg.synth.max_new_tokens <= 128
+    assert cfg.drafter.name == "eagle3" and cfg.train.ema_decay > 0  # the family and average the README measures
+    assert compose(["experiment=quickstart", "drafter=eagle"]).drafter.name == "eagle"  # drafter= still wins
 
 
 def test_misspelt_key_lists_valid_keys() -> None:
@@ -68,23 +70,26 @@ def test_cli_typo_fails_at_startup_with_valid_keys() -> None:
 
 
 def test_drafter_keys_are_checked_against_the_experiments_drafter() -> None:
-    """``experiment=cpu_1h`` selects drafter=eagle3 in its defaults: its keys are valid on the command line without
-    ``drafter=eagle3``, and a typo is named against eagle3's keys, not the root default's (eagle)."""
+    """``experiment=cpu_1h`` (and ``quickstart``) select drafter=eagle3 in their defaults: its keys are valid on the
+    command line without ``drafter=eagle3``, and a typo is named against eagle3's keys, not the root default's
+    (eagle); no experiment, or ``drafter=eagle``, checks against eagle's keys."""
     from train.__main__ import config_groups, default_drafter, experiment_drafter
     from train.config import check_overrides
 
-    assert experiment_drafter("cpu_1h") == "eagle3" and experiment_drafter("quickstart") is None
+    assert experiment_drafter("cpu_1h") == "eagle3" and experiment_drafter("quickstart") == "eagle3"
+    assert experiment_drafter("gpu_node") == "eagle3"
     groups = config_groups()
 
     def check(*ovs: str) -> None:
         check_overrides(list(ovs), groups, default_drafter(list(ovs)))
 
     check("experiment=cpu_1h", "drafter.loss_on_prompt=true")
-    check("experiment=quickstart", "drafter.init_from_target=true")
+    check("experiment=quickstart", "drafter.loss_on_prompt=true")
+    check("drafter.init_from_target=true")  # the root default is eagle
     with pytest.raises(ConfigError, match=r"Did you mean 'drafter.loss_on_prompt'"):
         check("experiment=cpu_1h", "drafter.loss_on_promt=true")
-    with pytest.raises(ConfigError, match=r"'loss_on_prompt' is not a key of 'drafter'"):  # quickstart trains eagle
-        check("experiment=quickstart", "drafter.loss_on_prompt=true")
+    with pytest.raises(ConfigError, match=r"'loss_on_prompt' is not a key of 'drafter'"):  # eagle has no such key
+        check("experiment=quickstart", "drafter=eagle", "drafter.loss_on_prompt=true")
     check("experiment=cpu_1h", "drafter=eagle", "drafter.init_from_target=true")  # drafter= wins over the experiment's
     res = _cli("stage=synth", "experiment=cpu_1h", "drafter.loss_on_promt=true")
     assert res.returncode == 2 and "Did you mean 'drafter.loss_on_prompt'" in res.stderr

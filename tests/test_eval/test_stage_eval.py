@@ -35,6 +35,7 @@ def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_en
             "train",
             "stage=eval",
             *SMALL_SYNTH,
+            "drafter=eagle",  # the untrained head above is an EAGLE-1 head
             f"synth_dir={synth_dir}",
             f"train_dir={tmp_path / 'train'}",
             f"hydra.run.dir={out}",

@@ -20,6 +20,7 @@ from tests.test_train.runs import run_train as _run
 pytestmark = pytest.mark.slow
 
 TRAIN = [
+    "drafter=eagle",  # these tests are about the EAGLE-1 head; the quickstart trains EAGLE-3
     "train.features=online",
     "train.max_steps=6",
     "train.micro_batch_size=2",
@@ -82,12 +83,8 @@ def test_eagle_proposer_is_lossless_on_the_real_target(target, decode: str) -> N
 def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
     """stage=features writes the target's hidden states once; training on them matches online features."""
     feats = tmp_path / "features"
-    out = _ok(
-        _run(
-            [*SMALL_SYNTH, "stage=features", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}", "wandb.mode=disabled"],
-            run_env,
-        )
-    )
+    args = [*SMALL_SYNTH, "stage=features", "drafter=eagle", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}"]
+    out = _ok(_run([*args, "wandb.mode=disabled"], run_env))
     assert "MB on disk" in out  # the size is announced before the work starts
     manifest = json.loads((feats / "manifest.json").read_text())
     assert manifest["layers"] == [30] and manifest["rows"] == 12 and list(feats.glob("part-*.safetensors"))

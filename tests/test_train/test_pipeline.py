@@ -41,9 +41,9 @@ def test_stage_all_quickstart_shape(tmp_path: Path, run_env: dict[str, str]) -> 
         manifest = json.loads((tmp_path / stage / "manifest.json").read_text())
         assert manifest["stage"] == stage and manifest["config"]["run_name"] == "quickstart"
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())["metrics"]
-    assert {"plain", "eagle_chain_k5", "eagle_tree_n16", "prompt_lookup_k5"} == set(metrics)
+    assert {"plain", "eagle3_chain_k5", "eagle3_tree_n16", "prompt_lookup_k5"} == set(metrics)  # EAGLE-3, as the README
     assert all(m["identical_to_plain"] == 1.0 for per in metrics.values() for m in per.values())
-    assert "| all | eagle_tree_n16 |" in res.stderr + res.stdout
+    assert "| all | eagle3_tree_n16 |" in res.stderr + res.stdout
     train = json.loads((tmp_path / "train" / "manifest.json").read_text())
     assert train["result"]["finished"] and train["result"]["best"]["tau"] >= 1.0
     assert list((tmp_path / "train" / "wandb").glob("offline-run-*"))  # W&B offline by default

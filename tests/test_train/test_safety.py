@@ -24,6 +24,7 @@ from tests.test_train.runs import run_train
 TRAIN = [
     "stage=train",
     *SMALL_SYNTH,
+    "drafter=eagle",
     "train.features=online",
     "train.micro_batch_size=2",
     "train.lr=1e-3",
