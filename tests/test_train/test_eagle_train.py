@@ -19,8 +19,9 @@ from tests.test_train.runs import run_train as _run
 
 pytestmark = pytest.mark.slow
 
+EAGLE1 = [*SMALL_SYNTH, "drafter=eagle"]
+"""The quickstart's data with the EAGLE-1 head these tests are about (the quickstart itself trains EAGLE-3)."""
 TRAIN = [
-    "drafter=eagle",  # these tests are about the EAGLE-1 head; the quickstart trains EAGLE-3
     "train.features=online",
     "train.max_steps=6",
     "train.micro_batch_size=2",
@@ -38,7 +39,7 @@ TRAIN = [
 def test_loss_falls_two_processes_match_and_resume_is_exact(
     synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
 ) -> None:
-    base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN]
+    base = [*EAGLE1, "stage=train", f"synth_dir={synth_dir}", *TRAIN]
     # One process, global batch = 2 micro-batches (grad_accum=2).
     one = tmp_path / "one"
     _ok(_run([*base, "train.grad_accum=2", f"hydra.run.dir={one}"], run_env))
@@ -83,12 +84,12 @@ def test_eagle_proposer_is_lossless_on_the_real_target(target, decode: str) -> N
 def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
     """stage=features writes the target's hidden states once; training on them matches online features."""
     feats = tmp_path / "features"
-    args = [*SMALL_SYNTH, "stage=features", "drafter=eagle", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}"]
-    out = _ok(_run([*args, "wandb.mode=disabled"], run_env))
+    args = [*EAGLE1, "stage=features", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}", "wandb.mode=disabled"]
+    out = _ok(_run(args, run_env))
     assert "MB on disk" in out  # the size is announced before the work starts
     manifest = json.loads((feats / "manifest.json").read_text())
     assert manifest["layers"] == [30] and manifest["rows"] == 12 and list(feats.glob("part-*.safetensors"))
-    base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "deepspeed=none"]
+    base = [*EAGLE1, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "deepspeed=none"]
     online, pre = tmp_path / "online", tmp_path / "pre"
     _ok(_run([*base, f"hydra.run.dir={online}"], run_env))
     _ok(_run([*base, f"hydra.run.dir={pre}", "train.features=precomputed", f"train.features_dir={feats}"], run_env))
@@ -109,7 +110,7 @@ def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path,
 def test_gradient_clipping_applies_on_cpu(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
     """accelerate builds no DeepSpeed engine on a CPU: the run says so (log and manifest) and clips the gradients
     itself, so train.max_grad_norm changes the training (it was silently ignored before)."""
-    base = [*SMALL_SYNTH, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "train.lr=1e-2"]
+    base = [*EAGLE1, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "train.lr=1e-2"]
     runs = {}
     for name, clip in (("off", "0"), ("tiny", "1e-6")):
         runs[name] = tmp_path / name
