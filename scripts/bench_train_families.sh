@@ -2,7 +2,8 @@
 # Training throughput of the four drafter families, back to back on one quiet machine, same data and batch:
 # the quickstart synth data (runs/quickstart/synth), precomputed target features (the last layer for eagle,
 # medusa and standalone: runs/quickstart_eagle/features, written by `bash scripts/bench_family.sh eagle`; layers
-# 2/15/27/30 for eagle3: runs/quickstart/features, written by the quickstart itself), 8 rows per step, DeepSpeed ZeRO-2, 1 process, no periodic checks:
+# 2/15/27/30 for eagle3: runs/quickstart/features, written by the quickstart itself), 8 rows per step,
+# DeepSpeed ZeRO-2, 1 process, no periodic checks:
 #   bash scripts/bench_train_families.sh [steps=20] [extra overrides...]
 # Prints sequence tokens/s and supervised (target-written) tokens/s per family from each run's manifest.
 set -euo pipefail
