@@ -855,7 +855,7 @@ def expected_acceptance(
 
     T = int(trace.prompt.numel())
     N = len(path)
-    seq = torch.cat([trace.prompt, torch.tensor(list(path), dtype=trace.prompt.dtype)])
+    seq = torch.cat([trace.prompt, torch.tensor(list(path), dtype=trace.prompt.dtype, device=trace.prompt.device)])
     proposer.setup(temperature, top_p, generator)
     proposer.begin(
         trace.prompt, TargetOutput(trace.prompt_logits, _rows(trace.hidden, layers, slice(0, T)) if need else None)

@@ -201,6 +201,7 @@ def setup_runtime(cfg: Config) -> None:
     logger.debug("torch threads: %d; OpenMP wait: %s", threads, OMP_WAIT)
     if cfg.runtime.keep_freed_memory:
         keep_freed_memory()
+    torch.backends.cuda.enable_cudnn_sdp(cfg.runtime.cudnn_sdpa)
 
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)

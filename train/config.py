@@ -151,6 +151,13 @@ class RuntimeConfig:
     in every time (a third of the CPU time spent in the kernel). Measured: 1.4x EAGLE-3 training tokens/s at
     ``experiment=cpu_1h`` on a 2-core CPU, the same losses (BENCHMARKS). The price: the process's resident memory
     does not shrink back after its peak."""
+    cudnn_sdpa: bool = True
+    """CUDA: let ``scaled_dot_product_attention`` pick its cuDNN backend (torch prefers it on Hopper). False
+    turns that backend off (``torch.backends.cuda.enable_cudnn_sdp(False)``): flash / memory-efficient kernels
+    serve instead. Why it is a switch: cuDNN builds an execution plan per new attention shape (reported at
+    several hundred ms each), and variable-length training batches meet a new shape almost every step; the first
+    H200 run (BENCHMARKS, "On one H200") had every family's first epoch at ~1 s a step, which this might explain.
+    Not yet measured either way (``scripts/bench_gpu.py --no-cudnn-sdpa`` is the A/B); no effect on a CPU."""
 
 
 @dataclass

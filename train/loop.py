@@ -514,7 +514,8 @@ class Trainer:
             copy.load_state_dict(
                 {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}, strict=False
             )
-        return copy.to(self.target.model.dtype).eval()
+        # on the target's device: the held-out check feeds it the target's hidden states (spec.build builds on the CPU)
+        return copy.to(device=self.target.device, dtype=self.target.model.dtype).eval()
 
     def _eval_tau(self, drafter: torch.nn.Module) -> dict[str, Any]:
         """Held-out tau of the drafter's configured decode (chain or tree) on a fixed held-out sample.

@@ -96,3 +96,19 @@ def test_openmp_wait_is_a_short_spin_unless_the_user_chose() -> None:
     mine = {**base, "OMP_WAIT_POLICY": "PASSIVE"}
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=mine, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "PASSIVE", "True", "OMP_WAIT_POLICY=PASSIVE"]
+
+
+def test_cudnn_sdpa_switch_reaches_torch() -> None:
+    """``runtime.cudnn_sdpa=false`` turns off SDPA's cuDNN backend in the process (the flag torch's CUDA
+    dispatcher reads; a CPU build keeps it too), and the default leaves torch's own choice on."""
+    from tests.conftest import compose
+    from train.__main__ import setup_runtime
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        setup_runtime(compose(["runtime.cudnn_sdpa=false", "runtime.keep_freed_memory=false"]))
+        assert torch.backends.cuda.cudnn_sdp_enabled() is False
+        setup_runtime(compose(["runtime.keep_freed_memory=false"]))
+        assert torch.backends.cuda.cudnn_sdp_enabled() is True
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -149,4 +149,6 @@ def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, 
 
         vocab = target.model.config.vocab_size
         check_vocab_compatibility(vocab, vocab, target.tokenizer, AutoTokenizer.from_pretrained(str(path)))
-    return spec, spec.load(str(path), target.model, dcfg), dcfg
+    # on the target's device: every user (eval, export's probe, the vLLM parity check) feeds it the target's states
+    module = spec.load(str(path), target.model, dcfg).to(target.device)
+    return spec, module, dcfg

@@ -281,9 +281,11 @@ def loss_fn(
     B, L = batch.input_ids.shape
     keep = torch.zeros(B, L, dtype=torch.bool, device=batch.input_ids.device)
     keep[:, :-1] = (batch.loss_mask[:, 1:] * batch.attention_mask[:, 1:]).bool()
-    # A 2D boolean logits_to_keep makes the draft's LM head run on the kept rows only: [N, V].
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, logits_to_keep=keep)
-    d_logits = out.logits.reshape(-1, out.logits.shape[-1])
+    # The draft's LM head runs only on the columns some row keeps (a 1D logits_to_keep: every transformers 5.x
+    # takes it; a 2D boolean one only from ~5.2x), then the kept rows are picked out: [N, V].
+    cols = keep.any(0).nonzero().squeeze(1)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, logits_to_keep=cols)
+    d_logits = out.logits[keep[:, cols]]
     with torch.no_grad():
         t_logits = feats.lm_head(feats.last[keep].to(feats.lm_head.weight.dtype)).float()
     n = max(1, d_logits.shape[0])

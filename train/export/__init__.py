@@ -101,7 +101,8 @@ def export_drafter(src: Source, fmt: Format, out_dir: Path, verify: bool = True)
             f.chmod(0o644)
         check_tensors(where + " (as written)", read_shapes(tmp, list(required)), required)
         if verify:
-            imported = fmt.load(tmp, src.target)
+            # the importers build on the CPU; the probe runs both drafters on the target's device
+            imported = fmt.load(tmp, src.target).to(src.target.device)
             diff = max_abs_diff(fmt.probe(src.module, src.target), fmt.probe(imported, src.target))
             result["round_trip_max_abs_logit_diff"] = diff
             if not diff <= ROUND_TRIP_ATOL:
