@@ -2,7 +2,8 @@
 
     python scripts/bench_peer.py [--synth-dir runs/quickstart/synth] [--steps 150 --batch-rows 8]
         [--lr 1e-3 --warmup 10 --ttt-steps 3 --draft-vocab 8192 --layers 2,15,27 --seed 0]
-        [--optimizer muon|adamw] [--attn sdpa|eager] [--out runs/peer/<name>] [--judge RUN_NAME]
+        [--optimizer muon|adamw] [--attn sdpa|eager] [--precision float32|bfloat16] [--out runs/peer/<name>]
+        [--judge RUN_NAME]
 
 The peer is what ``speculators train --speculator-type eagle3`` (speculators 0.9.0) makes; it is set against
 our ``drafter=eagle3`` at an equal budget: the same target, the same training rows, the *same micro-batches in
@@ -46,7 +47,10 @@ three parts:
      worker processes, no pinned memory, no validation split; the packed length of each batch is the sum of
      its rows' lengths instead of a fixed ``--total-seq-len`` padding.
    * Config choices, not code: ``--loss-implementation eager`` (the fused loss is a Triton GPU kernel),
-     ``--hidden-states-dtype float32``, ``--draft-attn-impl sdpa`` (or ``eager``: speculators' options for
+     ``--hidden-states-dtype`` from ``--precision`` (the dtype of the hidden states it reads and of its autocast;
+     master weights stay fp32): ``float32`` by default here, ``bfloat16`` is speculators' own default and what
+     ``scripts/bench_vs_peer.py`` passes when our run trained in a bf16 autocast, so both sides compute in the
+     same precision; ``--draft-attn-impl sdpa`` (or ``eager``: speculators' options for
      hardware without flex attention; its default ``simple_flex_attention`` has no backward on CPU),
      ``--full-attention-indices 0`` (speculators makes every draft layer a 2048-token sliding window by default;
      all our rows are shorter, so the math is the same and the config stays a plain full-attention layer),
@@ -99,6 +103,7 @@ logger = logging.getLogger("bench_peer")
 
 ENGINE_PYTHON = REPO / ".venv-engine" / "bin" / "python"
 ATTN_IMPLS = ("sdpa", "eager")  # speculators' flex attention has no backward on CPU
+PRECISIONS = ("float32", "bfloat16")  # speculators refuses float16 (it would need gradient scaling)
 
 PEER_HELPER = r"""
 import json, logging, shutil, sys, time, warnings
@@ -312,6 +317,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-seq-len", type=int, default=768, help="our train.max_seq_len (rows are cut to it)")
     ap.add_argument("--optimizer", choices=("muon", "adamw"), default="muon", help="speculators' optimizer")
     ap.add_argument("--attn", choices=ATTN_IMPLS, default="sdpa", help="speculators' --draft-attn-impl")
+    ap.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="float32",
+        help="speculators' --hidden-states-dtype: its autocast and hidden-state dtype (bfloat16 is its own default)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--log-every", type=int, default=10, help="print (and keep in peer.json) every N steps")
     ap.add_argument("--out", default=None, help="output directory (default runs/peer/<name>)")
@@ -328,7 +339,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def default_name(args: argparse.Namespace) -> str:
-    return f"{Path(args.synth_dir).parent.name}_s{args.steps}_b{args.batch_rows}_{args.optimizer}_seed{args.seed}"
+    bf16 = "_bf16" if args.precision == "bfloat16" else ""
+    return f"{Path(args.synth_dir).parent.name}_s{args.steps}_b{args.batch_rows}_{args.optimizer}{bf16}_seed{args.seed}"
 
 
 def target_config(synth_manifest: dict[str, Any]) -> Any:
@@ -486,7 +498,7 @@ def main() -> None:
         "--max-steps", str(args.steps),
         "--epochs", "1",
         "--seed", str(args.seed),
-        "--hidden-states-dtype", "float32",
+        "--hidden-states-dtype", args.precision,
         "--loss-implementation", "eager",
         "--draft-attn-impl", args.attn,
         "--full-attention-indices", "0",
@@ -544,6 +556,7 @@ def main() -> None:
             "layers": layers,
             "optimizer": args.optimizer,
             "attn": args.attn,
+            "precision": args.precision,
             "seed": args.seed,
             "bucket_size": args.bucket_size,
             "max_seq_len": args.max_seq_len,

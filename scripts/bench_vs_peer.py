@@ -10,7 +10,8 @@ measured by this one command:
    overrides after ``--``) -> ``runs/<name>_ours``.
 2. **the peer**: ``scripts/bench_peer.py`` (speculators 0.9's trainer in ``.venv-engine``; its CPU patches are
    listed in that script) with the budget *read back from our train manifest* -- optimizer steps, rows per
-   step, lr, warm-up, TTT steps, draft vocabulary, target layers, seed, bucket size, max_seq_len -- so both train
+   step, lr, warm-up, TTT steps, draft vocabulary, target layers, seed, bucket size, max_seq_len, precision (a
+   bf16 autocast of ours, the 1-hour recipe's, has the peer in its own default bf16 autocast) -- so both train
    on the same rows in the same micro-batch order -> ``runs/peer/<name>``, also saved as our checkpoint
    ``runs/<name>_peer/train/best`` for step 3.
 3. **replay**: ``stage=eval eval.mode=replay`` of both on the same held-out prompts (the experiment's sample),
@@ -82,13 +83,16 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def peer_budget(manifest: dict[str, Any], layer_ids: list[int]) -> list[str]:
-    """bench_peer.py arguments for the budget our run trained with."""
+    """bench_peer.py arguments for the budget our run trained with, precision included: a run of ours in a bf16
+    autocast (``train.dtype=bfloat16``, the 1-hour recipe's) has the peer train in speculators' own bf16 autocast,
+    an fp32 run in fp32."""
     c, t, d = manifest["config"], manifest["config"]["train"], manifest["config"]["drafter"]
     if int(t.get("grad_accum", 1)) != 1 or int(manifest["result"].get("world_size", 1)) != 1:
         raise SystemExit(
             "the peer comparison covers one process without gradient accumulation (rows per step = "
             "train.micro_batch_size)"
         )
+    bf16 = manifest["result"].get("precision") == "bf16" or t.get("dtype") == "bfloat16"
     return [
         "--steps", str(t["max_steps"]),
         "--batch-rows", str(t["micro_batch_size"]),
@@ -100,6 +104,7 @@ def peer_budget(manifest: dict[str, Any], layer_ids: list[int]) -> list[str]:
         "--seed", str(c["seed"]),
         "--bucket-size", str(t["bucket_size"]),
         "--max-seq-len", str(t["max_seq_len"]),
+        "--precision", "bfloat16" if bf16 else "float32",
     ]  # fmt: skip
 
 

@@ -673,6 +673,7 @@ class Trainer:
             "train_rows": len(self.plan.rows),
             "world_size": self.world,
             "engine": self.engine,
+            "precision": "bf16" if self.bf16 else "fp32",
             "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
             "supervised_tokens_per_second": round(sup_tokens / max(elapsed, 1e-9), 2),
             "seconds": round(elapsed, 2),

@@ -47,7 +47,9 @@ def test_packed_kernel_runs_and_agrees_with_f_linear(target, batch) -> None:
     assert "mkldnn::_linear_pointwise" in ops and "aten::mm" not in ops  # every product went through the packs
     assert not any("forward" in m.__dict__ for m in _linears(model))  # restored
     assert torch.equal(after, ref)  # and really F.linear again
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # float32 rounding, not another model
+    # float32 rounding, not another model: oneDNN's blocked kernels sum in another order than F.linear's GEMM; on a
+    # CPU with AVX2 only (no AVX-512) the logits (magnitude ~10-30) differ by up to 1.6e-4 after 30 layers
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 

@@ -22,7 +22,8 @@ def test_peer_trains_loads_and_is_judged_as_ours(synth_dir: Path, tmp_path: Path
     out = tmp_path / "peer"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_peer.py"), "--synth-dir", str(synth_dir)]
     cmd += ["--steps", "3", "--batch-rows", "2", "--warmup", "1", "--draft-vocab", "512", "--optimizer", "adamw"]
-    cmd += ["--out", str(out), "--judge", "peer_judge"]
+    # speculators' own precision (a bf16 autocast, what the 1-hour comparison gives it); float32 is a no-op autocast
+    cmd += ["--precision", "bfloat16", "--out", str(out), "--judge", "peer_judge"]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     peer = json.loads((out / "peer.json").read_text())
@@ -30,6 +31,8 @@ def test_peer_trains_loads_and_is_judged_as_ours(synth_dir: Path, tmp_path: Path
     assert peer["timings"]["tokens_per_s"] > 0 and peer["rows"]["row_tokens"] > 0
     assert peer["verify"]["draftsmith_import"].startswith("ok"), peer["verify"]
     assert peer["loss"]["last"] == peer["loss"]["last"]  # a number, not NaN
+    assert peer["budget"]["precision"] == "bfloat16"
+    assert peer["speculators_config"]["data"]["hidden_states_dtype"] == "bfloat16"
     conf = json.loads((out / "config.json").read_text())
     assert conf["speculators_model_type"] == "eagle3" and conf["draft_vocab_size"] == 512
     # --judge: the peer as our own checkpoint, with its norms, layers and vocabulary map
@@ -60,7 +63,12 @@ def test_vs_peer_budget_and_vllm_statistics() -> None:
     got = dict(zip(argv[::2], argv[1::2], strict=True))
     assert got == {"--steps": "150", "--batch-rows": "8", "--lr": "0.001", "--warmup": "10", "--ttt-steps": "3",
                    "--draft-vocab": "8192", "--layers": "2,15,27", "--seed": "3", "--bucket-size": "64",
-                   "--max-seq-len": "768"}  # fmt: skip
+                   "--max-seq-len": "768", "--precision": "float32"}  # fmt: skip
+    # a bf16 autocast of ours (asked for, or auto on a GPU: the manifest's resolved precision) -> the peer's own bf16
+    for train, result in (({"dtype": "bfloat16"}, {}), ({"dtype": "auto"}, {"precision": "bf16"})):
+        bf16 = {"config": {**manifest["config"], "train": {**manifest["config"]["train"], **train}},
+                "result": {**manifest["result"], **result}}  # fmt: skip
+        assert peer_budget(bf16, [2, 15, 27])[-2:] == ["--precision", "bfloat16"]
     manifest["config"]["train"]["grad_accum"] = 2
     with pytest.raises(SystemExit, match="gradient accumulation"):
         peer_budget(manifest, [2, 15, 27])
