@@ -8,6 +8,7 @@ Any Hugging Face directory or hub id replaces it through ``target.path``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -76,12 +77,24 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     Returns the directory. The conversion dequantizes the weights to float32 and writes a plain
     ``LlamaForCausalLM``-style checkpoint (no ``quantization_config``) plus the tokenizer, atomically.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     digest = _sha256(gguf)
     out = cache_dir / "targets" / f"{gguf.stem}-{digest[:16]}"
     if (out / "config.json").is_file():
         return out
+    # Processes that start together on a fresh machine (a SLURM array's tasks, parallel test workers) convert once:
+    # the others wait on the lock, then find the finished directory (never replaced under a process reading it).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        _convert(gguf, out, digest)
+    return out
+
+
+def _convert(gguf: Path, out: Path, digest: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     logger.info("Converting %s to safetensors in %s (once; later runs reuse it)", gguf.name, out)
     try:
         src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -104,7 +117,6 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         (tmp / "draftsmith_source.json").write_text(
             json.dumps({"gguf": str(gguf), "sha256": digest}, indent=2), encoding="utf-8"
         )
-    return out
 
 
 def resolve_target_path(cfg: TargetConfig) -> str:

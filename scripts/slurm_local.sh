@@ -63,6 +63,10 @@ MaxJobCount=10000
 MinJobAge=600
 KillWait=30
 SchedulerType=sched/backfill
+# Test-cluster latencies: a requeued job waits out its old credential's lifetime (cred_expire, default 120 s),
+# then the next scheduling pass (sched_interval 60 s / bf_interval 30 s by default); 30 s and 5 s here.
+SchedulerParameters=sched_interval=5,bf_interval=5
+AuthInfo=cred_expire=30
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurm/slurmctld.pid

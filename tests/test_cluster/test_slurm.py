@@ -209,9 +209,10 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(
             break
         time.sleep(0.5)
     assert "Restarts=1" in info, info + _logs(job["id"])
-    # SLURM holds a requeued job (BeginTime, about 2 minutes) until the old allocation's job credential has
-    # expired; forcing starttime=now raced with it ("Killing non-startable batch job: Job credential revoked",
-    # seen once in CI), so the test waits the hold out like a real requeue does.
+    # SLURM holds a requeued job (BeginTime) until the old allocation's job credential has expired (cred_expire:
+    # 120 s by default, 30 s on scripts/slurm_local.sh's cluster); forcing starttime=now raced with it ("Killing
+    # non-startable batch job: Job credential revoked", seen once in CI), so the test waits the hold out like a
+    # real requeue does.
     wait([job["id"]], timeout=600)
     text = log.read_text(errors="replace")
     assert "requeueing" in text and "restart 1" in text and "resume=true" in text, text[-3000:]

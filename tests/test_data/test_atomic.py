@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,37 @@ def test_real_full_disk(tmp_path: Path) -> None:
         assert sorted(p.name for p in mnt.iterdir()) == ["small.txt"]
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_concurrent_target_conversions_convert_once(tmp_path: Path) -> None:
+    """A process that finds another converting the GGUF waits for it and reuses its directory (it neither converts
+    again nor replaces the directory under a reader). The GGUF here is not one: converting it would raise."""
+    import fcntl
+    import hashlib
+    import threading
+
+    from data.target import convert_gguf
+
+    gguf = tmp_path / "model.Q4.gguf"
+    gguf.write_bytes(b"not a gguf")
+    out = tmp_path / "cache" / "targets" / f"model.Q4-{hashlib.sha256(b'not a gguf').hexdigest()[:16]}"
+    out.parent.mkdir(parents=True)
+    got: list[object] = []
+    with open(out.parent / f".{out.name}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # "another process" is converting
+        waiter = threading.Thread(target=lambda: got.append(_call(convert_gguf, gguf, tmp_path / "cache")))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not got  # waits, does not convert alongside
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # the other conversion finishes
+    waiter.join(timeout=30)
+    assert got == [out]
+
+
+def _call(fn: Callable[..., object], *args: object) -> object:
+    """``fn(*args)``, or the exception it raised (a thread's result)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return exc
