@@ -16,6 +16,38 @@ os.environ.setdefault("WANDB_SILENT", "true")
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 
+HEAVY_FIRST = (
+    "test_export/test_vllm_parity.py",
+    "test_eval/test_replay.py",
+    "test_train/test_eagle_train.py",
+    "test_cluster/test_slurm.py",
+    "test_data/test_synth_vllm.py",
+    "test_train/test_safety.py",
+    "test_train/test_medusa.py",
+    "test_train/test_eagle3.py",
+    "test_train/test_bench_gpu.py",
+    "test_train/test_optim.py",
+    "test_eval/test_stage_eval.py",
+    "test_data/test_synth.py",
+    "test_data/test_config.py",
+    "test_train/test_bench_scaling.py",
+    "test_train/test_standalone.py",
+    "test_train/test_bench_peer.py",
+    "test_export/test_export_eagle3.py",
+    "test_train/test_pipeline.py",
+    "test_train/test_plugin_family.py",
+    "test_data/test_package.py",
+)
+"""Test files that take minutes on a 2-core machine, longest first (from pytest's --durations in CI runs). The
+suite runs in two pytest-xdist workers, each file whole on one (``-n 2 --dist loadfile --no-loadscope-reorder``),
+handed out in collection order: the long files start first and the short ones fill the end, so neither worker
+idles while the other finishes a long file. The other files keep pytest's order after these."""
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))  # stable
+
 
 def compose(overrides: list[str]):  # -> Config
     """Compose the project's Hydra config with ``overrides`` and return the typed Config object."""

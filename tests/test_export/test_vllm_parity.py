@@ -90,11 +90,13 @@ def test_vllm_parity_standalone_draft(synth_dir: Path, target, tmp_path: Path):
 E3_TRAIN = [
     "stage=train",
     "drafter=eagle3",
-    "train.features=online",
-    # the head must learn its 12 rows by heart so that every draft position is accepted somewhere: no training
-    # noise, and 120 steps (at 60 the head with speculators' norms reached top-1 ~0.13 on its rows and never got a
-    # third draft accepted; at 120 ~0.68)
+    "train.features=precomputed",
+    # the head must learn its 12 rows' replies by heart so that every draft position is accepted somewhere: no
+    # training noise, loss on the replies only (what the parity run decodes), 120 steps (with speculators' norms:
+    # top-1 ~0.9 at every TTT step on the replies, ~95 s on 2 cores; with the loss on the prompts too, ~0.62 in
+    # twice the time; at 60 steps the head never got a third draft accepted)
     "train.max_steps=120",
+    "drafter.loss_on_prompt=false",
     "train.micro_batch_size=4",
     "train.lr=3e-3",
     "drafter.feature_noise=0",
@@ -112,12 +114,25 @@ E3_TRAIN = [
 FLAGS = ("drafter.norm_before_fc", "drafter.norm_before_residual", "drafter.norm_output")
 
 
+@pytest.fixture(scope="module")
+def e3_features(synth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's layers 2/15/27 + last on the 12 synth rows, computed once (stage features) for both heads below:
+    120 steps on online features would run the target 120 times over (minutes on a 2-core machine)."""
+    from tests.test_train.runs import ok, run_train
+
+    feats = tmp_path_factory.mktemp("e3_features")
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["stage=features", *SMALL_SYNTH, "drafter=eagle3", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}"]
+    ok(run_train([*args, "wandb.mode=disabled"], env))
+    return feats
+
+
 @needs_engine
 @pytest.mark.parametrize("norms", [False, True], ids=["published", "norms"])
-def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, str], norms: bool):
+def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, run_env: dict[str, str], norms: bool):
     """vLLM serving our speculators-format export counts exactly what our EAGLE-3 chain decoder counts.
 
-    The head is trained by stage train (online features of layers 2/15/27, TTT, an 8192-token draft vocabulary
+    The head is trained by stage train (precomputed features of layers 2/15/27, TTT, an 8192-token draft vocabulary
     whose d2t comes from the rows' token frequencies, so its offsets are far from zero) on the 12 synth rows
     until it has learnt them, and both sides decode the prompts of those training rows (``--split train``):
     the head then accepts deep into its drafts, so the counts at every draft position (which go through the
@@ -128,7 +143,8 @@ def test_vllm_parity_eagle3(synth_dir: Path, tmp_path: Path, run_env: dict[str, 
 
     run = tmp_path / "e3"
     extra = [f"{f}={str(norms).lower()}" for f in FLAGS]
-    ok(run_train([*SMALL_SYNTH, f"synth_dir={synth_dir}", *E3_TRAIN, *extra, f"hydra.run.dir={run}"], run_env))
+    feats = f"train.features_dir={e3_features}"
+    ok(run_train([*SMALL_SYNTH, f"synth_dir={synth_dir}", *E3_TRAIN, feats, *extra, f"hydra.run.dir={run}"], run_env))
     assert json.loads((run / "best" / "config.json").read_text())["draftsmith"]["drafter"]["norm_output"] is norms
     d2t = load_file(str(run / "best" / "model.safetensors"))["d2t"]
     assert int(d2t.abs().max()) > 1000  # the draft ids are spread over the vocabulary

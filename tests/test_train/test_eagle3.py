@@ -497,23 +497,3 @@ def test_feature_noise_and_token_alignment_change_only_what_they_claim(target) -
     every = loss(True, loss_on_prompt=True)
     assert loss(True, loss_on_prompt=True, ttt_align_topk=256) == pytest.approx(every, rel=1e-6)
     assert abs(loss(True, loss_on_prompt=True, ttt_align_topk=1) - every) > 1e-3
-
-
-def test_weight_average_is_what_is_saved_and_resumes_exactly(
-    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
-) -> None:
-    """train.ema_decay: the saved drafter holds the averaged weights (not the optimizer's), the average is in the
-    checkpoint, and a run killed after a checkpoint and resumed ends with the same average."""
-    base = [*_train_args(synth_dir), "train.ema_decay=0.9"]
-    one = tmp_path / "one"
-    _ok(_run([*base, f"hydra.run.dir={one}"], run_env))
-    ckpt = one / "checkpoints" / "step-000006"
-    raw = load_file(str(ckpt / "state" / "model.safetensors"))
-    saved = load_file(str(ckpt / "drafter" / "model.safetensors"))
-    shadows = [torch.load(f, weights_only=True) for f in sorted((ckpt / "state").glob("custom_checkpoint_*.pkl"))]
-    shadow = next(s["shadow"] for s in shadows if "shadow" in s)
-    assert next(s["updates"] for s in shadows if "shadow" in s) == 6
-    for k in ("fc.weight", "midlayer.mlp.down_proj.weight"):
-        assert torch.allclose(saved[k].float(), shadow[k], atol=1e-7), k
-        assert not torch.allclose(saved[k].float(), raw[k].float(), atol=1e-5), k
-    assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)

@@ -2,7 +2,8 @@
 
 Each group is checked step for step against torch's own optimizer (``torch.optim.Muon`` with speculators'
 ``match_rms_adamw`` adjustment, ``torch.optim.AdamW``), the split against speculators' rule, and a real EAGLE-3 run
-on the real target with it: the loss falls and a killed run resumes exactly (the Muon momentum is checkpointed)."""
+on the real target with it (and a weight average): the loss falls and a killed run resumes exactly (the Muon momentum
+and the average are checkpointed)."""
 
 from __future__ import annotations
 
@@ -129,10 +130,17 @@ def test_fp32_iteration_orthogonalises() -> None:
 
 
 @pytest.mark.slow
-def test_eagle3_trains_with_muon_and_resumes_exactly(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+def test_eagle3_trains_with_muon_and_a_weight_average_and_resumes_exactly(
+    synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+) -> None:
+    """A real EAGLE-3 run with Muon and train.ema_decay (the quickstart averages its weights): the loss falls, the
+    saved drafter holds the averaged weights (not the optimizer's), and a run killed after a checkpoint resumes
+    exactly (the Muon momentum and the average are both in the checkpoint)."""
+    from safetensors.torch import load_file
+
     from tests.test_train.test_eagle3 import _train_args
 
-    base = [*_train_args(synth_dir), "train.optimizer=muon"]
+    base = [*_train_args(synth_dir), "train.optimizer=muon", "train.ema_decay=0.9"]
     one = tmp_path / "one"
     out = _ok(_run([*base, f"hydra.run.dir={one}"], run_env))
     assert "optimizer: Muon on 8 matrices" in out and "fc.weight" in out, out[-3000:]
@@ -142,6 +150,16 @@ def test_eagle3_trains_with_muon_and_resumes_exactly(synth_dir: Path, tmp_path: 
     _ok(_run([*_train_args(synth_dir), f"hydra.run.dir={adamw}"], run_env))
     assert _losses(adamw)[0] == pytest.approx(losses[0], rel=1e-6)  # same start, other optimizer
     assert abs(_losses(adamw)[3] - losses[3]) > 1e-3 * losses[3]
+
+    ckpt = one / "checkpoints" / "step-000006"
+    raw = load_file(str(ckpt / "state" / "model.safetensors"))
+    saved = load_file(str(ckpt / "drafter" / "model.safetensors"))
+    shadows = [torch.load(f, weights_only=True) for f in sorted((ckpt / "state").glob("custom_checkpoint_*.pkl"))]
+    shadow = next(s["shadow"] for s in shadows if "shadow" in s)
+    assert next(s["updates"] for s in shadows if "shadow" in s) == 6
+    for k in ("fc.weight", "midlayer.mlp.down_proj.weight"):
+        assert torch.allclose(saved[k].float(), shadow[k], atol=1e-7), k
+        assert not torch.allclose(saved[k].float(), raw[k].float(), atol=1e-5), k
     assert_kill_resume_exact(base, one, tmp_path / "killed", run_env, last_step=6)
 
 
