@@ -75,13 +75,16 @@ def target():
     return load_target(TargetConfig(device="cpu"))
 
 
+def subprocess_env(wandb_mode: str = "offline") -> dict[str, str]:
+    """Environment for ``python -m train`` subprocesses: this checkout importable, W&B in ``wandb_mode``, the
+    shared target cache."""
+    return dict(os.environ, WANDB_MODE=wandb_mode, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 @pytest.fixture()
 def run_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     """Environment for ``python -m train`` subprocesses: W&B offline, the shared target cache."""
-    env = dict(os.environ)
-    env["WANDB_MODE"] = "offline"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    yield env
+    yield subprocess_env()
 
 
 SMALL_SYNTH = [

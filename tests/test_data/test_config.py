@@ -88,8 +88,8 @@ def test_drafter_keys_are_checked_against_the_experiments_drafter() -> None:
     check("drafter.init_from_target=true")  # the root default is eagle
     with pytest.raises(ConfigError, match=r"Did you mean 'drafter.loss_on_prompt'"):
         check("experiment=cpu_1h", "drafter.loss_on_promt=true")
-    with pytest.raises(ConfigError, match=r"'loss_on_prompt' is not a key of 'drafter'"):  # eagle has no such key
-        check("experiment=quickstart", "drafter=eagle", "drafter.loss_on_prompt=true")
+    with pytest.raises(ConfigError, match=r"'ttt_steps' is not a key of 'drafter'"):  # eagle has no such key
+        check("experiment=quickstart", "drafter=eagle", "drafter.ttt_steps=2")
     check("experiment=cpu_1h", "drafter=eagle", "drafter.init_from_target=true")  # drafter= wins over the experiment's
     res = _cli("stage=synth", "experiment=cpu_1h", "drafter.loss_on_promt=true")
     assert res.returncode == 2 and "Did you mean 'drafter.loss_on_prompt'" in res.stderr

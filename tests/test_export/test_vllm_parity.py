@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, SMALL_SYNTH
+from tests.conftest import REPO, SMALL_SYNTH, subprocess_env
 
 ENGINE = REPO / ".venv-engine" / "bin" / "python"
 needs_engine = pytest.mark.skipif(
@@ -121,9 +121,8 @@ def e3_features(synth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     from tests.test_train.runs import ok, run_train
 
     feats = tmp_path_factory.mktemp("e3_features")
-    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = ["stage=features", *SMALL_SYNTH, "drafter=eagle3", f"synth_dir={synth_dir}", f"hydra.run.dir={feats}"]
-    ok(run_train([*args, "wandb.mode=disabled"], env))
+    ok(run_train([*args, "wandb.mode=disabled"], subprocess_env("disabled")))
     return feats
 
 

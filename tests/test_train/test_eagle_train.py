@@ -81,6 +81,42 @@ def test_eagle_proposer_is_lossless_on_the_real_target(target, decode: str) -> N
     )
 
 
+def test_loss_on_prompt_and_feature_noise_change_only_what_they_claim(target) -> None:
+    """drafter.loss_on_prompt counts every real position (the target's feature and distribution after each prompt
+    token), not only where the token two ahead is target-written; drafter.feature_noise noises the head's input
+    features in training only (in eval the loss is the noise-free one), reproducibly under the same seed."""
+    from train.drafters import registry
+    from train.drafters.eagle import loss_fn
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    ids = target.tokenizer("Question: what is two plus three? Answer: two plus three is five.", return_tensors="pt")
+    ids = ids.input_ids
+    with torch.no_grad():
+        last = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    feats = TargetFeatures({30: last}, 30, target.model.get_output_embeddings())
+    am = torch.ones_like(ids)
+    lm = torch.cat([am[:, :8] * 0, am[:, 8:]], 1)  # an 8-token prompt
+    batch = TrainBatch(ids, am, lm)
+    spec = registry.get("eagle")
+
+    def loss(train: bool, **kw) -> tuple[float, int]:
+        cfg = spec.config_cls(**kw)
+        torch.manual_seed(0)
+        head = spec.build(cfg, target.model).float().train(train)
+        torch.manual_seed(1)
+        out, metrics = loss_fn(head, batch, feats, cfg)
+        return float(out.detach()), int(metrics["tokens"])
+
+    plain, n = loss(True)
+    assert n == int(lm[:, 2:].sum())
+    on_prompt, n_all = loss(True, loss_on_prompt=True)
+    assert n_all == ids.shape[1] - 2 and on_prompt != plain
+    assert loss(False, feature_noise=0.3) == loss(False)  # eval: no noise
+    noised = loss(True, feature_noise=0.3)
+    assert noised == loss(True, feature_noise=0.3) and abs(noised[0] - plain) > 1e-4
+    assert noised[1] == n
+
+
 def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
     """stage=features writes the target's hidden states once; training on them matches online features."""
     feats = tmp_path / "features"

@@ -140,6 +140,22 @@ def test_loss_matches_a_direct_computation_and_counts_ranks() -> None:
     loss.backward()
     assert all(p.grad is not None for p in heads.parameters())
 
+    # drafter.soft_labels: head k's CE against the target's distribution at t+k (over x[t+k+1]), same positions.
+    soft_cfg = spec.config_cls(num_heads=3, loss_decay=0.5, tree_top_k=4, soft_labels=True)
+    soft, m = spec.loss(heads, TrainBatch(ids, attn, loss_mask), feats, soft_cfg)
+    want = torch.zeros(())
+    for k in range(1, 4):
+        terms = []
+        for b in range(B):
+            for t in range(L - k - 1):
+                if loss_mask[b, t + k + 1] and attn[b, t + k + 1]:
+                    logp = torch.log_softmax(target.lm_head(heads.heads[k - 1](h[b, t])), -1)
+                    p = torch.softmax(target.lm_head(h[b, t + k]), -1)
+                    terms.append(-(p * logp).sum())
+        want = want + 0.5 ** (k - 1) * torch.stack(terms).mean()
+    assert torch.allclose(soft, want, atol=1e-5) and not torch.allclose(soft, loss)
+    assert float(m["tokens"]) == counts[0]
+
 
 @pytest.mark.parametrize("own_lm_head", [False, True])
 def test_save_load_round_trip_and_size_check(tmp_path: Path, own_lm_head: bool) -> None:

@@ -159,6 +159,12 @@ def test_init_target_copies_layers_and_loss(target) -> None:
     assert float(m["tokens"]) == expected
     assert float(loss) < 1e-4 and float(m["kl"]) < 1e-4 and float(m["tv"]) < 1e-3
     assert float(m["acc_top1_pos1"]) == 1.0
+    # drafter.loss_on_prompt: every position whose next token is real counts, prompt included, still exact.
+    on_prompt = spec.config_cls(**{**vars(full_cfg), "loss_on_prompt": True})
+    with torch.no_grad():
+        loss, m = spec.loss(full, batch, feats, on_prompt)
+    assert float(m["tokens"]) == int(batch.attention_mask[:, 1:].sum()) > expected
+    assert float(loss) < 1e-4 and float(m["acc_top1_pos1"]) == 1.0
     del full
 
     # A 2-layer draft trains: the loss has gradients and (with gradient checkpointing) goes down.

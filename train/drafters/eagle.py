@@ -9,8 +9,10 @@ current feature and the embedding of the token that follows it::
     f_hat[t+1] = layer( fc([embed(x[t+1]), f[t]]) )        fc: 2H -> H (with bias)
     draft logits[t+1] = target.lm_head(f_hat[t+1])         predicts x[t+2]
 
-Loss (on target-written tokens only, the synth loss mask): ``w_reg * SmoothL1(f_hat, f) +
-w_ce * CE(lm_head(f_hat), softmax(lm_head(f)))``. Drafting feeds the head its own predicted features.
+Loss (on target-written tokens, the synth loss mask; with ``loss_on_prompt`` at every real position):
+``w_reg * SmoothL1(f_hat, f) + w_ce * CE(lm_head(f_hat), softmax(lm_head(f)))``. With ``feature_noise`` the input
+features (not the regression targets) are noised in training, as EAGLE trains its head. Drafting feeds the head
+its own predicted features.
 Decoding with any of its trees is exact (lossless): the target verifies every draft token.
 """
 
@@ -48,6 +50,13 @@ class EagleConfig(Choices):
     """Weight of the SmoothL1 feature-regression loss (EAGLE: 1.0)."""
     ce_weight: float = 0.1
     """Weight of the cross-entropy against the target's next-token distribution (EAGLE: 0.1)."""
+    loss_on_prompt: bool = False
+    """Also train at prompt positions: the target's feature and next-token distribution after each prompt token
+    are as much the target's as after its own tokens (they are computed anyway); off = only where the token two
+    ahead is target-written (EAGLE's rule)."""
+    feature_noise: float = 0.0
+    """Training only: Gaussian noise on the input features f[t], its std this fraction of each token's RMS (EAGLE
+    trains on noised features, uniform +-0.1; the regression target stays clean); 0 = none."""
     init_from_target: bool = False
     """Initialise the decoder layer from the target's last layer. Off by default: measured on SmolLM2, the
     copied layer blows up the head's outputs and top-1 accuracy stays near 0 (random init: 37% in 45 steps)."""
@@ -118,9 +127,13 @@ def loss_fn(
     B, L, _ = f.shape
     ids = batch.input_ids
     pos = torch.arange(L - 1, device=ids.device).expand(B, -1)
-    pred, _ = head(f[:, :-1], ids[:, 1:], pos)  # [B, L-1, H]: f_hat[1..L-1]
+    inp = f[:, :-1]
+    if cfg.feature_noise > 0 and head.training:  # per-token scale; the loop seeds each micro-batch (exact resume)
+        inp = inp + torch.randn_like(inp) * (cfg.feature_noise * inp.pow(2).mean(-1, keepdim=True).sqrt())
+    pred, _ = head(inp, ids[:, 1:], pos)  # [B, L-1, H]: f_hat[1..L-1]
     pred, target_f = pred[:, :-1], f[:, 1:-1]  # drop the last position (its next token is unknown)
-    keep = (batch.loss_mask[:, 2:] * batch.attention_mask[:, 2:]).bool()  # x[t+2] is target-written
+    am = batch.attention_mask[:, 2:]
+    keep = (am if cfg.loss_on_prompt else batch.loss_mask[:, 2:] * am).bool()  # x[t+2] real (target-written)
     pred, target_f = pred[keep], target_f[keep]  # [N, H]: the LM head only runs where the loss counts
     n = max(1, pred.shape[0])
     reg = F.smooth_l1_loss(pred.float(), target_f.float(), reduction="none").mean(-1).sum() / n

@@ -10,7 +10,9 @@ target's own LM head turns ``h[t]`` into token ``t+1``; head ``k`` (1-based) pre
                                                or the head's own copy of it (own_lm_head=true, trained)
 
 Loss: ``sum_k loss_decay**(k-1) * CE(logits_k[t], x[t+k+1])`` where ``x[t+k+1]`` is target-written (the
-synth loss mask), each head averaged over its own counted positions. Parameter names follow Medusa's
+synth loss mask), each head averaged over its own counted positions; with ``soft_labels`` the CE is taken
+against the target's whole next-token distribution at ``t+k`` (``softmax(lm_head(h[t+k]))``, what the target
+verifies ``x[t+k+1]`` with) instead of the one token (Medusa-2's self-distillation). Parameter names follow Medusa's
 ``medusa_lm_head.safetensors`` under a ``heads.`` prefix: ``heads.{i}.{j}.linear.weight/bias`` (head ``i``,
 ResBlock ``j``) and ``heads.{i}.{num_layers}.weight`` for an own LM head.
 
@@ -57,6 +59,9 @@ class MedusaConfig(Choices):
     vocabulary projection, initialised from the target's."""
     loss_decay: float = 0.8
     """Loss weight of head k is ``loss_decay ** (k - 1)`` (Medusa's lambda_k)."""
+    soft_labels: bool = False
+    """Train head k against the target's next-token distribution at t+k instead of the token x[t+k+1] (KL to
+    the full distribution, as Medusa-2's self-distillation and EAGLE do); off = Medusa-1's hard labels."""
     decode: Decode = Decode.tree
     """tree (static Medusa tree of top-k paths) | chain (top-1 of each head)."""
     chain_k: int = 4
@@ -182,15 +187,19 @@ def loss_fn(
     K = cfg.num_heads
     core = _core(model)
     R = core.rank_hits.shape[1]
-    xs, labels = [], []
+    xs, labels, teachers = [], [], []
     for k in range(1, K + 1):
         if L - k - 1 <= 0:
             xs.append(h[:, :0].reshape(0, h.shape[-1]))
             labels.append(ids[:, :0].reshape(0))
+            teachers.append(h.new_zeros((0, 1), dtype=torch.float32))
             continue
         keep = (batch.loss_mask[:, k + 1 :] * batch.attention_mask[:, k + 1 :]).bool()  # x[t+k+1] target-written
         xs.append(h[:, : L - k - 1][keep])
         labels.append(ids[:, k + 1 :][keep])
+        if cfg.soft_labels:  # the target's distribution over x[t+k+1], from its state at t+k
+            with torch.no_grad():
+                teachers.append(torch.softmax(feats.lm_head(h[:, k : L - 1][keep]).float(), -1))
     outs = model(xs)
     loss = h.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
@@ -200,7 +209,10 @@ def loss_fn(
         z, y = outs[k - 1], labels[k - 1]
         logits = (z if cfg.own_lm_head else feats.lm_head(z)).float()
         n = y.shape[0]
-        ce = F.cross_entropy(logits, y, reduction="sum") / max(1, n)
+        if cfg.soft_labels and n:
+            ce = -(teachers[k - 1] * torch.log_softmax(logits, -1)).sum() / n
+        else:
+            ce = F.cross_entropy(logits, y, reduction="sum") / max(1, n)
         loss = loss + cfg.loss_decay ** (k - 1) * ce
         with torch.no_grad():
             top = logits.topk(min(max(5, R), logits.shape[-1]), dim=-1).indices

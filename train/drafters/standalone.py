@@ -16,7 +16,8 @@ Initialisation (``init``):
 * ``pretrained``: an existing HF causal LM directory (``pretrained_path``, safetensors) whose tokenizer must
   equal the target's (checked with both tokenizers before anything is built).
 
-Loss (target-written positions only: the prediction at t for token t+1 counts where ``loss_mask[t+1]``):
+Loss (target-written positions only: the prediction at t for token t+1 counts where ``loss_mask[t+1]``; with
+``loss_on_prompt`` wherever x[t+1] is a real token, since the target's distribution is known there too):
 ``kl`` = forward KL(p_target || q_draft), ``tv`` = total variation ``0.5 * sum |p - q|`` (the expected
 greedy/sampled acceptance is ``1 - TV``), ``kl_tv`` = their sum. Both LM heads run only on counted rows.
 Decoding (``eval.proposers.draft_model.DraftModelProposer``, chain or EAGLE-2-style dynamic tree) is exact.
@@ -76,6 +77,9 @@ class StandaloneConfig(Choices):
     num_key_value_heads: int | None = None
     loss: Loss = Loss.kl
     """kl (forward KL to the target's next-token distribution) | tv (total variation) | kl_tv (sum)."""
+    loss_on_prompt: bool = False
+    """Also distil at prompt positions (the target's next-token distribution after each prompt token, computed
+    anyway); off = only where the next token is target-written."""
     freeze_embeddings: bool = True
     """Freeze the input embeddings (and the LM head when it is tied to them)."""
     gradient_checkpointing: bool = True
@@ -280,7 +284,8 @@ def loss_fn(
     """Distillation on positions t whose next token x[t+1] was written by the target."""
     B, L = batch.input_ids.shape
     keep = torch.zeros(B, L, dtype=torch.bool, device=batch.input_ids.device)
-    keep[:, :-1] = (batch.loss_mask[:, 1:] * batch.attention_mask[:, 1:]).bool()
+    am = batch.attention_mask[:, 1:]
+    keep[:, :-1] = (am if cfg.loss_on_prompt else batch.loss_mask[:, 1:] * am).bool()
     # The draft's LM head runs only on the columns some row keeps (a 1D logits_to_keep: every transformers 5.x
     # takes it; a 2D boolean one only from ~5.2x), then the kept rows are picked out: [N, V].
     cols = keep.any(0).nonzero().squeeze(1)
