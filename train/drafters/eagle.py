@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from data.config import Choices, ConfigError
 from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
-from train.drafters.layers import KV, DraftLayer
+from train.drafters.layers import KV, DraftLayer, noise_features
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
 
@@ -129,8 +129,8 @@ def loss_fn(
     ids = batch.input_ids
     pos = torch.arange(L - 1, device=ids.device).expand(B, -1)
     inp = f[:, :-1]
-    if cfg.feature_noise > 0 and head.training:  # per-token scale; the loop seeds each micro-batch (exact resume)
-        inp = inp + torch.randn_like(inp) * (cfg.feature_noise * inp.pow(2).mean(-1, keepdim=True).sqrt())
+    if cfg.feature_noise > 0 and head.training:
+        inp = noise_features(inp, cfg.feature_noise)
     pred, _ = head(inp, ids[:, 1:], pos)  # [B, L-1, H]: f_hat[1..L-1]
     pred, target_f = pred[:, :-1], f[:, 1:-1]  # drop the last position (its next token is unknown)
     am = batch.attention_mask[:, 2:]

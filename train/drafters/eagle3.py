@@ -44,7 +44,7 @@ from data.config import Choices, ConfigError
 from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from eval.shared_past import SharedPast
-from train.drafters.layers import KV, DraftAttention, gather_rows, soft_cross_entropy
+from train.drafters.layers import KV, DraftAttention, gather_rows, noise_features, soft_cross_entropy
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
 
@@ -443,7 +443,7 @@ def loss_fn(
         raise ValueError("EAGLE-3 training rows need at least 3 tokens")
     parts = [feats.layers[i][:, :T] for i in layer_ids]
     if cfg.feature_noise > 0 and head.training:
-        parts = [x + torch.randn_like(x) * (cfg.feature_noise * x.pow(2).mean(-1, keepdim=True).sqrt()) for x in parts]
+        parts = [noise_features(x, cfg.feature_noise) for x in parts]
     fused = torch.cat(parts, dim=-1)
     dev = fused.device
     target_ids = core.target_ids().to(dev)

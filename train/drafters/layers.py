@@ -94,6 +94,13 @@ class DraftAttention(nn.Module):
         return self.o_proj(out), (k, v)
 
 
+def noise_features(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` plus Gaussian noise whose std is ``scale`` times each token's RMS over the last dimension (EAGLE's
+    feature augmentation, per-token scaled); drawn from the global generator, which the training loop seeds per
+    micro-batch (so resume stays exact)."""
+    return x + torch.randn_like(x) * (scale * x.pow(2).mean(-1, keepdim=True).sqrt())
+
+
 def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[b, index[b, i]]`` for ``t`` ``[B, T, ...]`` and ``index`` ``[B, Q]``: ``[B, Q, ...]``."""
     return t[torch.arange(t.shape[0], device=t.device)[:, None], index]

@@ -36,6 +36,7 @@ from data.config import Choices, ConfigError
 from eval.config import Decode
 from eval.proposers.medusa import MedusaProposer, rank_prior
 from eval.tree import static_tree_paths_to_parents
+from train.drafters.layers import soft_cross_entropy
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
 
@@ -210,7 +211,7 @@ def loss_fn(
         logits = (z if cfg.own_lm_head else feats.lm_head(z)).float()
         n = y.shape[0]
         if cfg.soft_labels and n:
-            ce = -(teachers[k - 1] * torch.log_softmax(logits, -1)).sum() / n
+            ce = soft_cross_entropy(logits, teachers[k - 1])[0] / n
         else:
             ce = F.cross_entropy(logits, y, reduction="sum") / max(1, n)
         loss = loss + cfg.loss_decay ** (k - 1) * ce
