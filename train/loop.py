@@ -106,6 +106,11 @@ def validate_train(cfg: Config) -> None:
         errors.append(f"train.max_rows={t.max_rows} must be >= 1 (or null: every row)")
     if not 0.0 <= t.ema_decay < 1.0:
         errors.append(f"train.ema_decay={t.ema_decay} must be in [0, 1) (0 = no weight average)")
+    for key in ("log_every", "save_every", "keep_checkpoints"):
+        if getattr(t, key) < 1:
+            errors.append(f"train.{key}={getattr(t, key)} must be >= 1")
+    if t.eval_every < 0:
+        errors.append(f"train.eval_every={t.eval_every} must be >= 0 (0: the held-out check at the end only)")
     if not t.ema_warmup >= 1.0:
         errors.append(f"train.ema_warmup={t.ema_warmup} must be >= 1")
     if t.ema_decay > 0 and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3:

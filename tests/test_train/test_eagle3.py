@@ -497,3 +497,41 @@ def test_feature_noise_and_token_alignment_change_only_what_they_claim(target) -
     every = loss(True, loss_on_prompt=True)
     assert loss(True, loss_on_prompt=True, ttt_align_topk=256) == pytest.approx(every, rel=1e-6)
     assert abs(loss(True, loss_on_prompt=True, ttt_align_topk=1) - every) > 1e-3
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_feature_loss_regresses_what_the_lm_head_reads_onto_the_targets_last_state(target, norm_output: bool) -> None:
+    """drafter.feature_loss=w adds w * decay^j * SmoothL1 at every TTT step; step 1's term equals a direct
+    computation (the vector the draft LM head reads at each counted entry against the target's last hidden state one
+    position on, the state the target's LM head reads to predict the same token); w < 0 is refused."""
+    from data.config import ConfigError
+    from train.batches import Row
+    from train.drafters.eagle3 import loss_fn, ttt_mask
+
+    ids, batch, feats = _question_row(target)
+    row = [Row(ids[0].tolist(), batch.loss_mask[0].tolist())]
+    out = {}
+    for w in (0.0, 0.7):
+        spec, cfg, head = _head(target, draft_vocab_size=256, ttt_steps=3, feature_loss=w, norm_output=norm_output)
+        spec.prepare(head, row, cfg, target.model)
+        with torch.no_grad():
+            out[w] = loss_fn(head, batch, feats, cfg)
+    (plain, m0), (with_reg, m1) = out[0.0], out[0.7]
+    regs = [float(m1[f"feature_loss_step{j + 1}"]) for j in range(3)]
+    assert "feature_loss_step1" not in m0 and all(r > 0 for r in regs)
+    assert float(with_reg) == pytest.approx(float(plain) + 0.7 * sum(0.8**j * r for j, r in enumerate(regs)), rel=1e-5)
+    for j in range(3):  # the distillation part is unchanged
+        assert float(m1[f"loss_step{j + 1}"]) == pytest.approx(float(m0[f"loss_step{j + 1}"]), rel=1e-6)
+    # step 1 by hand: the full (unselected) first step on the fused layers
+    T = ids.shape[1] - 1
+    fused = torch.cat([feats.layers[i][:, :T] for i in (2, 15, 27)], -1)
+    with torch.no_grad():
+        h, _ = head(fused, ids[:, 1 : 1 + T], torch.arange(T)[None], mask=ttt_mask(T, 0, ids.device)[None, None])
+        read = h if norm_output else head.norm(h)
+    counted = batch.loss_mask[:, 2:].bool()  # entry t < T - 1 predicts x[t+2]
+    last = feats.last[:, 1:T]
+    direct = torch.nn.functional.smooth_l1_loss(read[:, : T - 1][counted], last[counted], reduction="none")
+    direct = direct.mean(-1).mean()
+    assert regs[0] == pytest.approx(float(direct), rel=1e-4)
+    with pytest.raises(ConfigError, match="feature_loss"):
+        spec.build(spec.config_cls(feature_loss=-1.0), target.model)

@@ -191,3 +191,28 @@ def test_weight_average_warmup_sets_how_fast_the_decay_ramps() -> None:
     cfg.train.ema_warmup = 0.5
     with pytest.raises(ConfigError, match=r"ema_warmup=0\.5 must be >= 1"):
         validate_train(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("save_every", 0, r"train\.save_every=0 must be >= 1"),
+        ("log_every", 0, r"train\.log_every=0 must be >= 1"),
+        ("keep_checkpoints", 0, r"train\.keep_checkpoints=0 must be >= 1"),
+        ("eval_every", -1, r"train\.eval_every=-1 must be >= 0"),
+    ],
+)
+def test_step_intervals_are_refused_before_training(key: str, value: int, message: str) -> None:
+    """An interval of 0 used to reach the loop (``step % 0``: a ZeroDivisionError after the first step's work) and
+    ``keep_checkpoints=0`` would delete every checkpoint, the last one included; both are refused up front."""
+    from data.config import ConfigError
+    from train.config import Config
+    from train.loop import validate_train
+
+    cfg = Config()  # no drafter chosen: validate_train always raises, the defaults' intervals are not named
+    with pytest.raises(ConfigError) as default:
+        validate_train(cfg)
+    assert f"train.{key}=" not in str(default.value)
+    setattr(cfg.train, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate_train(cfg)

@@ -90,6 +90,11 @@ class Eagle3Config(Choices):
     """Training only: the target's distribution the loss matches is ``softmax(logits / teacher_temperature)``; below
     1 it is sharpened towards the target's top token (what greedy verification accepts), 1 = the distribution
     itself (what lossless sampling accepts)."""
+    feature_loss: float = 0.0
+    """Training only: weight of an EAGLE-1-style SmoothL1 regression, at every TTT step's counted entries, of the
+    vector the draft LM head reads onto the one the target's LM head reads at the same position (its last hidden
+    state): a pull towards the target's own representation, which the draft LM head starts from; 0 = none
+    (EAGLE-3 as published, which dropped EAGLE-1's feature loss)."""
     ttt_align_topk: int = 0
     """Training only: TTT step j >= 1 counts an entry only if every earlier step counted it and every token it was
     fed at steps < j was among the draft's top ``ttt_align_topk`` at that step (GRIFFIN's token-alignable
@@ -331,6 +336,8 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
         raise ConfigError(f"drafter.teacher_temperature={cfg.teacher_temperature} must be > 0")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"drafter.dropout={cfg.dropout} must be in [0, 1)")
+    if not cfg.feature_loss >= 0:
+        raise ConfigError(f"drafter.feature_loss={cfg.feature_loss} must be >= 0")
     vd = draft_vocab(cfg, tcfg)
     head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(cfg))
     head.midlayer.dropout = float(cfg.dropout)
@@ -454,6 +461,7 @@ def loss_fn(
     rows = torch.nonzero(need)  # (b, p-1)
     # the teacher rows, one per position that needs one, and which row each (b, position) has (-1: none)
     t_rows = torch.zeros(0, target_ids.numel(), device=dev)
+    t_last = torch.zeros(0, core.hidden_size, device=dev)  # feature_loss: the target's last hidden state, per row
     t_idx = torch.full((B, L + cfg.ttt_steps), -1, dtype=torch.long, device=dev)
     t_idx[rows[:, 0], rows[:, 1] + 1] = torch.arange(rows.shape[0], device=dev)
     in_vocab = torch.zeros(B, L, dtype=torch.bool, device=dev)
@@ -463,6 +471,8 @@ def loss_fn(
         # the teacher in the features' own precision, also under a bf16 autocast
         with torch.no_grad(), torch.autocast(dev.type, enabled=False):
             x_last = feats.last[rows[:, 0], rows[:, 1] + 1]
+            if cfg.feature_loss > 0:
+                t_last = x_last.float()
             if cfg.loss_all_positions:
                 # Only the draft vocabulary's rows of the target's LM head are needed for the loss (8,192 of
                 # 49,152 for the default: the full projection was ~a fifth of a training step's arithmetic).
@@ -518,6 +528,8 @@ def loss_fn(
         if n == 0:  # every process must report the same metric keys (they are all-reduced as one vector)
             metrics[f"acc_top1_pos{j + 1}"] = torch.tensor(0.0)
             metrics[f"loss_step{j + 1}"] = torch.tensor(0.0)
+            if cfg.feature_loss > 0:
+                metrics[f"feature_loss_step{j + 1}"] = torch.tensor(0.0)
             if cfg.ttt_align_topk > 0:
                 alive = torch.zeros_like(keep)
             continue
@@ -535,6 +547,11 @@ def loss_fn(
         ce_sum, d_top = soft_cross_entropy(d_logits, t_rows[tp_ix])
         step_loss = ce_sum / n
         total = total + cfg.ttt_decay**j * step_loss
+        if cfg.feature_loss > 0:
+            read = h[keep] if core.norms["norm_output"] else core.norm(h[keep])
+            reg = nn.functional.smooth_l1_loss(read.float(), t_last[tp_ix], reduction="none").mean(-1).sum() / n
+            total = total + cfg.ttt_decay**j * cfg.feature_loss * reg
+            metrics[f"feature_loss_step{j + 1}"] = reg.detach()
         with torch.no_grad():
             acc = (d_top == t_top[tp_ix]).float().mean()
         metrics[f"acc_top1_pos{j + 1}"] = acc

@@ -188,19 +188,28 @@ def loss_fn(
     K = cfg.num_heads
     core = _core(model)
     R = core.rank_hits.shape[1]
+    written = (batch.loss_mask * batch.attention_mask).bool()
+    teacher = h.new_zeros((0, 1), dtype=torch.float32)
+    row_of = torch.full(written.shape, -1, dtype=torch.long, device=h.device)
+    if cfg.soft_labels and L > 2:
+        # the target's distribution over x[s+1] from its state at s, once for every s whose x[s+1] is
+        # target-written: head k's teacher at t+k is row row_of[t+k] (the heads share most positions)
+        at = written[:, 2:]
+        row_of[:, 1 : L - 1][at] = torch.arange(int(at.sum()), device=h.device)
+        with torch.no_grad():
+            teacher = torch.softmax(feats.lm_head(h[:, 1 : L - 1][at]).float(), -1)
     xs, labels, teachers = [], [], []
     for k in range(1, K + 1):
         if L - k - 1 <= 0:
             xs.append(h[:, :0].reshape(0, h.shape[-1]))
             labels.append(ids[:, :0].reshape(0))
-            teachers.append(h.new_zeros((0, 1), dtype=torch.float32))
+            teachers.append(teacher[:0])
             continue
-        keep = (batch.loss_mask[:, k + 1 :] * batch.attention_mask[:, k + 1 :]).bool()  # x[t+k+1] target-written
+        keep = written[:, k + 1 :]  # x[t+k+1] target-written
         xs.append(h[:, : L - k - 1][keep])
         labels.append(ids[:, k + 1 :][keep])
-        if cfg.soft_labels:  # the target's distribution over x[t+k+1], from its state at t+k
-            with torch.no_grad():
-                teachers.append(torch.softmax(feats.lm_head(h[:, k : L - 1][keep]).float(), -1))
+        if cfg.soft_labels:
+            teachers.append(teacher[row_of[:, k : L - 1][keep]])
     outs = model(xs)
     loss = h.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
