@@ -15,6 +15,10 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message says which and what is allowed."""
 
 
+class TargetError(RuntimeError):
+    """The target model or its tokenizer could not be loaded or is unusable; the message says why."""
+
+
 class Choice(StrEnum):
     """A config value from a fixed set. Members are named as their values, so Hydra/OmegaConf accept the plain
     string from YAML or the command line (and refuse others at compose time, naming the valid ones), JSON

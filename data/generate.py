@@ -113,21 +113,64 @@ def model_forward(
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
+        past = cache_seq_len(cache) if cache is not None else 0
+        kwargs["attention_mask"] = layer_masks(model, attention_mask, position_ids, past)
     if output_hidden_states:
         kwargs["output_hidden_states"] = True
     return model(input_ids=input_ids, **kwargs)
 
 
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of ``model``'s sliding-window layers (Mistral, Gemma 2/3, GPT-OSS, Qwen2 with it on,
+    ...), or None when every layer attends to the whole context."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(cfg, "use_sliding_window", True) else None
+
+
+def layer_masks(
+    model: torch.nn.Module, mask: torch.Tensor, position_ids: torch.Tensor | None, past: int
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` argument for a forward of ``mask`` over ``past`` cached positions.
+
+    A 2D padding mask is passed on (the model builds each layer kind's mask from it). A custom 4D mask (a tree's
+    ancestors) is used by transformers as given, for every layer: for a target with sliding-window layers the
+    window is cut into it here from the positions (keys: ``0..past-1`` then ``position_ids``), as a dict per layer
+    kind where the model mixes kinds (Gemma 2/3, GPT-OSS, Qwen2/3), else as the one mask (Mistral, Phi-3)."""
+    window = sliding_window(model)
+    if window is None or mask.dim() != 4:
+        return mask
+    B, _, n, S = mask.shape
+    dev = mask.device
+    q = position_ids if position_ids is not None else torch.arange(past, past + n, device=dev)[None]
+    q = q.to(dev).expand(B, -1)
+    k = torch.cat([torch.arange(past, device=dev)[None].expand(B, -1), q], dim=1)
+    if k.shape[1] != S:
+        raise ValueError(f"a 4D mask over {S} keys for {past} cached + {n} new positions")
+    near = (k[:, None, :] > q[:, :, None] - window)[:, None]  # [B, 1, n, S]
+    # boolean (True = attend) or additive (0 / the dtype's minimum)
+    windowed = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, torch.finfo(mask.dtype).min)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "layer_types", None) is None:
+        return windowed
+    return {"full_attention": mask, "sliding_attention": windowed}
+
+
 def new_cache(model: torch.nn.Module, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
     """An empty ``DynamicCache`` for ``model``, or one holding ``kv`` (per layer ``(keys, values)``, each
-    ``[B, h, L, d]``)."""
+    ``[B, h, L, d]``).
+
+    Every layer keeps its whole context, sliding-window layers included (transformers' sliding layers drop the
+    keys that left the window, so they cannot be rolled back to an earlier position, which speculative decoding
+    does every step); the window is applied by the attention masks instead, so the logits are the same."""
     if kv is not None:
-        return DynamicCache(ddp_cache_data=kv, config=model.config)
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # very old signature
-        return DynamicCache()
+        return DynamicCache(ddp_cache_data=kv)
+    return DynamicCache()
 
 
 def kv_layers(cache: Any) -> list[Any]:
@@ -448,6 +491,9 @@ def continuous_generate(
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     seed_of = seeds if callable(seeds) or seeds is None else seeds.__getitem__
+    # a shared prefix is prefilled apart from the left padding that follows it: positions stay exact, but the
+    # column distances a sliding window is measured in would not
+    share_prefix = share_prefix and sliding_window(model) is None
     with prepacked_linears(model, enabled=prepack, rows=batch_size):
         return _generate(
             model,

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from data.atomic import atomic_dir
-from data.config import ConfigError, TargetConfig, resolve_path
+from data.config import ConfigError, TargetConfig, TargetError, resolve_path
+from data.generate import model_forward, new_cache, sliding_window
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TargetError(RuntimeError):
-    """The target model or its tokenizer could not be loaded or is unusable; the message says why."""
+__all__ = ["Target", "TargetError", "TargetLMHead", "check_architecture", "load_target", "output_head"]
 
 
 @dataclass
@@ -195,6 +195,128 @@ def require_chat_template(tokenizer: Any, path: str) -> None:
         )
 
 
+class TargetLMHead(torch.nn.Module):
+    """The target's logits from its final hidden states, as its own forward computes them: the LM head projection
+    followed by the architecture's logit transform where it has one (Gemma 2's ``final_logit_softcapping``,
+    Granite's ``logits_scaling``, Cohere's ``logit_scale``). Drafter losses, teachers and proposers read the target's
+    distribution through this, never through the bare projection."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.proj = model.get_output_embeddings()
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        scale = 1.0
+        if getattr(cfg, "logits_scaling", None):  # Granite divides
+            scale /= float(cfg.logits_scaling)
+        if getattr(cfg, "logit_scale", None):  # Cohere multiplies
+            scale *= float(cfg.logit_scale)
+        self.scale = scale
+        self.softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.proj.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.proj, "bias", None)
+
+    @property
+    def identity_transform(self) -> bool:
+        return self.scale == 1.0 and not self.softcap
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """The architecture's transform of projected logits (elementwise, so it applies to any subset of rows)."""
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.proj(hidden))
+
+
+def output_head(model: Any) -> TargetLMHead:
+    """:class:`TargetLMHead` of ``model`` (one per model, kept on it)."""
+    head = getattr(model, "_draftsmith_output_head", None)
+    if head is None:
+        head = TargetLMHead(model)
+        object.__setattr__(model, "_draftsmith_output_head", head)  # not a submodule: no state_dict entry
+    return head
+
+
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Attention kinds whose KV cache the decoder can roll back by position (others keep a recurrent or chunked state)."""
+
+
+def check_architecture(model: Any, name: str) -> None:
+    """Refuse, before any work, a target the drafters cannot be trained or decoded on, naming its architecture.
+
+    Checked on the loaded model rather than by a list of names, so an architecture never tried here works or is
+    refused the same way: a decoder-only causal LM with a hidden size, layer count and vocabulary; attention
+    layers whose cache can be rolled back (full or sliding window); ``hidden_states`` with one entry per layer
+    plus the embeddings, whose last entry gives the model's logits through :class:`TargetLMHead`; and a forward
+    on a cache with a custom 4D mask (how tree drafts are verified) that gives the logits of a plain forward."""
+    arch = type(model).__name__
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TargetError(f"target {name}: {arch} is an encoder-decoder model; drafters need a decoder-only causal LM")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if not getattr(cfg, k, None)]
+    if missing:
+        raise TargetError(
+            f"target {name}: {arch}'s config has no {', '.join(missing)}; drafters need a decoder-only LM"
+        )
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if t not in KNOWN_LAYER_TYPES})
+    if other:
+        raise TargetError(
+            f"target {name}: {arch} has {', '.join(other)} layers, whose state the speculative decoder cannot roll "
+            f"back to an earlier position (supported: {', '.join(KNOWN_LAYER_TYPES)})"
+        )
+    device = next(model.parameters()).device
+    window = sliding_window(model)
+    n = window + 8 if window is not None and window <= 256 else 12  # a short window is crossed by the check
+    ids = (torch.arange(n, device=device)[None] * 7919 + 11) % int(cfg.vocab_size)
+    try:
+        with torch.no_grad():
+            full = model_forward(model, ids, None, output_hidden_states=True)
+            hs = full.hidden_states
+            if hs is None or len(hs) != int(cfg.num_hidden_layers) + 1:
+                got = "none" if hs is None else len(hs)
+                raise TargetError(
+                    f"target {name}: {arch} returns {got} hidden states, not num_hidden_layers + 1 = "
+                    f"{int(cfg.num_hidden_layers) + 1}; the feature heads read them by layer"
+                )
+            logits = full.logits[0].float()
+            tol = 1e-3 * max(1.0, float(logits.abs().max()))
+            from_last = output_head(model)(hs[-1])[0].float()
+            if not torch.allclose(from_last, logits, atol=tol, rtol=1e-3):
+                raise TargetError(
+                    f"target {name}: {arch}'s logits are not its LM head applied to its last hidden state (max "
+                    f"difference {float((from_last - logits).abs().max()):.3g}); the feature heads need that"
+                )
+            cache = new_cache(model)
+            past = n - 4
+            model_forward(model, ids[:, :past], cache)
+            mask = torch.zeros(1, 1, 4, n, dtype=full.logits.dtype, device=device)
+            mask[..., past:] = torch.finfo(mask.dtype).min * (~torch.ones(4, 4, dtype=torch.bool, device=device).tril())
+            pos = torch.arange(past, n, device=device)[None]
+            step = model_forward(model, ids[:, past:], cache, position_ids=pos, attention_mask=mask)
+    except TargetError:
+        raise
+    except Exception as exc:  # an architecture's forward that rejects our caches, masks or arguments
+        raise TargetError(
+            f"target {name}: {arch} does not run as the drafters need (a KV cache, custom 4D attention masks, "
+            f"hidden states): {type(exc).__name__}: {exc}"
+        ) from exc
+    diff = float((step.logits[0].float() - logits[past:]).abs().max())
+    if diff > tol:
+        raise TargetError(
+            f"target {name}: {arch} gives other logits on a cache with a tree-style 4D mask than in one forward "
+            f"(max difference {diff:.3g}); speculative decoding would not be exact"
+        )
+
+
 def load_target(cfg: TargetConfig) -> Target:
     """Load the target model (frozen, eval mode) and tokenizer as configured."""
     from transformers import AutoModelForCausalLM
@@ -214,6 +336,7 @@ def load_target(cfg: TargetConfig) -> Target:
             f"The tokenizer at {path!r} has {len(tok)} tokens but the model's LM head has {vocab}: "
             f"they do not belong together."
         )
+    check_architecture(model, repr(cfg.path or cfg.name))
     fp = fingerprint_model_dir(path, model.config, tok)
     logger.info("Target %s loaded from %s (%s, %s, fingerprint %s)", cfg.name, path, device, dtype, fp)
     return Target(model=model, tokenizer=tok, path=path, fingerprint=fp)

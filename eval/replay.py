@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 from data.atomic import atomic_path, atomic_write_text
 from data.generate import continuous_generate, model_forward
+from data.target import output_head
 from eval.lanes import LaneBatcher, batchable_linears, batched_linears
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer, Replayer, TargetOutput
@@ -848,7 +849,7 @@ def expected_acceptance(
     layers = proposer.aux_hidden_layers
     trace = trace_target(target_model, prompt, list(path), layers, need_hidden=True)
     assert trace.hidden is not None
-    lm_head = target_model.get_output_embeddings()
+    lm_head = output_head(target_model)
 
     def p_after(pos: int) -> torch.Tensor:  # the target's distribution after the token at sequence position pos
         return logits_to_probs(lm_head(trace.hidden["last"][pos][None])[0].float(), temperature, top_p)

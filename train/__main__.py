@@ -29,7 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.config import ConfigError
+from data.config import ConfigError, TargetError
 from data.manifest import check_same_config
 from train.checkpoints import check_drafter_dir
 from train.config import Config, check_overrides, check_run_name, register_configs
@@ -232,7 +232,13 @@ def debug_mode() -> bool:
     return os.environ.get("DRAFTSMITH_DEBUG") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    TargetError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
 """Errors that are the user's to fix (a bad value, a missing or corrupt input, a busy run directory): they end
 with ``error: <message>`` and exit status 2, without a traceback (unless ``--debug``)."""
 

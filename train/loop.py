@@ -31,7 +31,7 @@ from tqdm import tqdm
 from data.atomic import atomic_dir, atomic_write_json
 from data.config import ConfigError
 from data.manifest import read_manifest, write_manifest
-from data.target import load_target
+from data.target import load_target, output_head
 from data.tracking import Tracker
 from eval.heldout import load_heldout, measure
 from eval.replay import ContinuationCache, TraceCache, bootstrap_tau_ci, replay_many
@@ -447,7 +447,7 @@ class Trainer:
     def _features(self, batch: Any, row_ids: list[int]) -> TargetFeatures:
         """Target hidden states for the batch: from the features stage's files, or a frozen forward now."""
         n_layers = self.target.model.config.num_hidden_layers
-        lm_head = self.target.model.get_output_embeddings()
+        lm_head = output_head(self.target.model)
         B, L = batch.input_ids.shape
         if self.store is not None:
             layers: dict[int, torch.Tensor] = {}

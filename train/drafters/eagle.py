@@ -29,9 +29,11 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from data.config import Choices, ConfigError
+from data.target import output_head
 from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
-from train.drafters.layers import KV, DraftLayer, noise_features
+from train.drafters.eagle3 import target_decoder
+from train.drafters.layers import KV, DraftLayer, draft_layer_config, noise_features
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
 
@@ -72,8 +74,9 @@ class EagleConfig(Choices):
 class EagleHead(nn.Module):
     """The EAGLE-1 head. Parameter names follow the EAGLE repository's checkpoints."""
 
-    def __init__(self, config: Any, num_layers: int = 1) -> None:
+    def __init__(self, target_config: Any, num_layers: int = 1) -> None:
         super().__init__()
+        config = draft_layer_config(target_config)  # a Llama layer of the target's dimensions, any architecture
         H = config.hidden_size
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
@@ -112,12 +115,34 @@ def build(cfg: EagleConfig, target: Any) -> EagleHead:
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         if cfg.init_from_target:
-            src = target.model.layers[-1].state_dict()
-            for layer in head.layers:
-                own = layer.state_dict()
-                layer.load_state_dict({k: v for k, v in src.items() if k in own}, strict=False)
+            _init_from_last_layer(head, target)
     dtype = next(target.parameters()).dtype
     return head.to(dtype)
+
+
+def _init_from_last_layer(head: EagleHead, target: Any) -> None:
+    """Copy the target's last decoder layer into each draft layer, tensor by tensor where the names and shapes
+    match (a Llama-like target); what does not match (an MoE's experts, QK norms, biases) keeps its random init,
+    and the log says which."""
+    layers = getattr(target_decoder(target), "layers", None)
+    if not layers:
+        logger.warning("drafter.init_from_target: %s has no decoder layers to copy; random init", type(target).__name__)
+        return
+    src = layers[-1].state_dict()
+    for layer in head.layers:
+        own = layer.state_dict()
+        fits = {k: v for k, v in src.items() if k in own and own[k].shape == v.shape}
+        layer.load_state_dict(fits, strict=False)
+        left = sorted(k for k in own if k not in fits)
+        if left:
+            logger.warning(
+                "drafter.init_from_target: %d of the draft layer's %d tensors have no match of the same name and "
+                "shape in %s's last layer and keep their random init: %s",
+                len(left),
+                len(own),
+                type(target).__name__,
+                ", ".join(left),
+            )
 
 
 def loss_fn(
@@ -166,7 +191,7 @@ def load(directory: str, target: Any, cfg: EagleConfig | None = None) -> EagleHe
 
 def make_proposer(head: nn.Module, target: Any, cfg: EagleConfig) -> Any:
 
-    return FeatureHeadProposer(head, target.get_output_embeddings(), cfg)
+    return FeatureHeadProposer(head, output_head(target), cfg)
 
 
 SPEC = register(

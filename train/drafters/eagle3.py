@@ -44,7 +44,14 @@ from data.config import Choices, ConfigError
 from eval.config import Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from eval.shared_past import SharedPast
-from train.drafters.layers import KV, DraftAttention, gather_rows, noise_features, soft_cross_entropy
+from train.drafters.layers import (
+    KV,
+    DraftAttention,
+    draft_layer_config,
+    gather_rows,
+    noise_features,
+    soft_cross_entropy,
+)
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
 
@@ -209,9 +216,10 @@ def norm_flags(cfg: Any) -> dict[str, bool]:
 
 class Eagle3Head(nn.Module):
     def __init__(
-        self, config: Any, layer_ids: list[int], draft_vocab_size: int, norms: dict[str, bool] | None = None
+        self, target_config: Any, layer_ids: list[int], draft_vocab_size: int, norms: dict[str, bool] | None = None
     ) -> None:
         super().__init__()
+        config = draft_layer_config(target_config)  # a Llama layer of the target's dimensions, any architecture
         H, V = config.hidden_size, config.vocab_size
         num_aux = len(layer_ids)
         self.config = config
@@ -302,13 +310,23 @@ def init_layer_from_target(head: Eagle3Head, target: Any, index: int) -> None:
         raise ConfigError(f"drafter.init_layer_from_target={index}: the target has {n} decoder layers")
     src, dst = layers[index], head.midlayer
     H = head.hidden_size
+
+    def part(name: str) -> nn.Module:
+        mod = src.get_submodule(name) if name in dict(src.named_modules()) else None
+        if not isinstance(getattr(mod, "weight", None), torch.Tensor):
+            raise ConfigError(
+                f"drafter.init_layer_from_target: layer {index} of {type(target).__name__} has no {name} (it is not a "
+                "dense Llama-style layer: an MoE, other names or a fused projection); leave the option unset"
+            )
+        return mod
+
     pairs = [
-        (dst.mlp.gate_proj, src.mlp.gate_proj),
-        (dst.mlp.up_proj, src.mlp.up_proj),
-        (dst.mlp.down_proj, src.mlp.down_proj),
-        (dst.post_attention_layernorm, src.post_attention_layernorm),
-        (dst.hidden_norm, src.input_layernorm),
-        (dst.self_attn.o_proj, src.self_attn.o_proj),
+        (dst.mlp.gate_proj, part("mlp.gate_proj")),
+        (dst.mlp.up_proj, part("mlp.up_proj")),
+        (dst.mlp.down_proj, part("mlp.down_proj")),
+        (dst.post_attention_layernorm, part("post_attention_layernorm")),
+        (dst.hidden_norm, part("input_layernorm")),
+        (dst.self_attn.o_proj, part("self_attn.o_proj")),
     ]
     with torch.no_grad():
         for d, s in pairs:
@@ -319,7 +337,7 @@ def init_layer_from_target(head: Eagle3Head, target: Any, index: int) -> None:
                 )
             d.weight.copy_(s.weight)
         for name in ("q_proj", "k_proj", "v_proj"):
-            d, s = getattr(dst.self_attn, name), getattr(src.self_attn, name)
+            d, s = getattr(dst.self_attn, name), part(f"self_attn.{name}")
             if d.weight.shape != (s.weight.shape[0], 2 * H) or s.weight.shape[1] != H:
                 raise ConfigError(f"drafter.init_layer_from_target: target layer {index}'s {name} does not fit")
             d.weight[:, H:].copy_(s.weight)
@@ -419,7 +437,9 @@ def _draft_rows(lm_head: nn.Module, x: torch.Tensor, target_ids: torch.Tensor) -
     other rows' arithmetic."""
     weight = lm_head.weight[target_ids]
     bias = lm_head.bias[target_ids] if getattr(lm_head, "bias", None) is not None else None
-    return nn.functional.linear(x, weight, bias).float()
+    logits = nn.functional.linear(x, weight, bias)
+    finish = getattr(lm_head, "finish", None)  # the architecture's logit transform (softcapping, scaling)
+    return (finish(logits) if finish is not None else logits).float()
 
 
 def ttt_mask(T: int, step: int, device: torch.device) -> torch.Tensor:

@@ -8,15 +8,89 @@ here because draft heads need (a) a cache they can extend and drop at will and (
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
 from eval.shared_past import SharedPast, shared_attention
 
 KV = tuple[torch.Tensor, torch.Tensor]
 """``(keys, values)``, each ``[B, n_kv_heads, S, head_dim]`` (keys already rotated)."""
+
+ROPE_KEYS = (
+    "rope_type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "long_factor",
+    "short_factor",
+)
+"""The RoPE parameters a draft layer takes over from its target (not ``partial_rotary_factor``: the draft layer
+rotates every dimension of its heads, as a Llama layer and the engines' EAGLE draft layers do)."""
+
+
+def text_config(config: Any) -> Any:
+    """The language-model part of a target's config (multimodal configs nest it as ``text_config``)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _rope_parameters(tcfg: Any) -> dict[str, Any]:
+    rope = getattr(tcfg, "rope_parameters", None) or getattr(tcfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and "full_attention" in rope:  # per layer type (Gemma 3): the global layers' RoPE
+        rope = rope["full_attention"]
+    rope = {k: v for k, v in dict(rope).items() if k in ROPE_KEYS and v is not None}
+    rope.setdefault("rope_theta", float(getattr(tcfg, "rope_theta", None) or 10000.0))
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return rope
+
+
+def draft_layer_config(target_config: Any) -> LlamaConfig:
+    """The config of a feature head's draft decoder layers, derived from the target's dimensions, whatever its
+    architecture (Llama, Qwen, Mistral, Gemma, Phi, MoE ...): a Llama layer (SwiGLU MLP, RMSNorm, RoPE, no biases)
+    with the target's hidden size, attention heads, KV heads and head dim, its RoPE (the global layers' for
+    targets that mix sliding and full attention), norm eps, context length and vocabulary. The draft MLP has the
+    target's dense ``intermediate_size`` (an MoE target's expert width when it has none). This is what the
+    engines build the draft layer from (vLLM's and SGLang's Llama EAGLE / EAGLE-3 draft models, speculators'
+    ``transformer_layer_config``), so it is also what the exports write. For a Llama target it is the target's
+    own layer config."""
+    t = text_config(target_config)
+    H = int(t.hidden_size)
+    heads = int(t.num_attention_heads)
+    kv = int(getattr(t, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(t, "head_dim", None) or H // heads)
+    inter = getattr(t, "intermediate_size", None) or getattr(t, "moe_intermediate_size", None) or 4 * H
+    eps = getattr(t, "rms_norm_eps", None) or getattr(t, "layer_norm_eps", None) or getattr(t, "norm_eps", None)
+    special = {k: getattr(t, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return LlamaConfig(
+        vocab_size=int(t.vocab_size),
+        hidden_size=H,
+        intermediate_size=int(inter),
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=int(getattr(t, "max_position_embeddings", None) or 4096),
+        rms_norm_eps=float(eps or 1e-6),
+        rope_parameters=_rope_parameters(t),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        **special,
+    )
 
 
 class DraftAttention(nn.Module):

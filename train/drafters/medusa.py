@@ -33,6 +33,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from data.config import Choices, ConfigError
+from data.target import output_head
 from eval.config import Decode
 from eval.proposers.medusa import MedusaProposer, rank_prior
 from eval.tree import static_tree_paths_to_parents
@@ -272,7 +273,7 @@ def load(directory: str, target: Any, cfg: MedusaConfig | None = None) -> Medusa
 
 def make_proposer(heads: nn.Module, target: Any, cfg: MedusaConfig) -> Any:
 
-    return MedusaProposer(_core(heads), target.get_output_embeddings(), cfg)
+    return MedusaProposer(_core(heads), output_head(target), cfg)
 
 
 def check(cfg: MedusaConfig, target: Any) -> None:

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from data.config import ConfigError
 from train.drafters import registry
+from train.drafters.layers import draft_layer_config
 
 logger = logging.getLogger(__name__)
 
@@ -182,13 +183,12 @@ FORMATS: dict[tuple[str, str], Format] = {}
 
 
 def target_dims(tcfg: Any) -> dict[str, int]:
-    """The target's sizes every head format is checked against: hidden ``H``, vocabulary ``V``, MLP ``I``,
-    and the q / kv projection widths (``heads x head_dim``, with grouped-query attention)."""
-    H = tcfg.hidden_size
-    nh = tcfg.num_attention_heads
-    nkv = getattr(tcfg, "num_key_value_heads", None) or nh
-    hd = getattr(tcfg, "head_dim", None) or H // nh
-    return {"H": H, "V": tcfg.vocab_size, "I": tcfg.intermediate_size, "q": nh * hd, "kv": nkv * hd}
+    """The sizes every head format is checked against: the target's hidden ``H`` and vocabulary ``V``, and the
+    draft layer's MLP ``I`` and q / kv projection widths (``heads x head_dim``, with grouped-query attention), from
+    the draft layer config derived from the target (:func:`train.drafters.layers.draft_layer_config`)."""
+    d = draft_layer_config(tcfg)
+    H, nh, nkv, hd = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    return {"H": H, "V": d.vocab_size, "I": d.intermediate_size, "q": nh * hd, "kv": nkv * hd}
 
 
 LOCAL_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "draftsmith", "quantization_config")

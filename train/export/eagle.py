@@ -16,6 +16,7 @@ import torch
 
 from data.atomic import atomic_write_json
 from train.drafters.eagle import EagleHead
+from train.drafters.layers import draft_layer_config
 from train.drafters.saving import load_state
 from train.export.core import (
     LLAMA_LAYER,
@@ -53,9 +54,10 @@ def required(src: Source) -> dict[str, Shapes]:
 
 def _config_writer(architecture: str, fmt: str) -> Any:
     def write_config(src: Source, out: Path) -> None:
-        conf = clean_config(src.target_config)
+        conf = clean_config(draft_layer_config(src.target_config))  # a Llama layer of the target's dimensions
         conf.update(
             {
+                "tie_word_embeddings": bool(getattr(src.target_config, "tie_word_embeddings", False)),
                 "architectures": [architecture],
                 "model_type": "llama",
                 "num_hidden_layers": src.drafter_cfg.num_layers,

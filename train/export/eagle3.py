@@ -54,6 +54,7 @@ from train.drafters.eagle3 import (
     norm_flags,
     vocab_hash,
 )
+from train.drafters.layers import draft_layer_config
 from train.drafters.saving import load_state
 from train.export.core import (
     LLAMA_LAYER,
@@ -187,7 +188,9 @@ def spec_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _layer_config(tcfg: Any) -> dict[str, Any]:
-    """``transformer_layer_config``: the keys speculators 0.9 writes for a Llama draft layer (full attention)."""
+    """``transformer_layer_config``: the keys speculators 0.9 writes for a Llama draft layer (full attention), from
+    the draft layer config derived from the target's dimensions (any architecture)."""
+    tcfg = draft_layer_config(tcfg)
     conf = tcfg.to_dict()
     rope = conf.get("rope_parameters") or {"rope_theta": conf.get("rope_theta", 10000.0), "rope_type": "default"}
     return {
@@ -296,7 +299,7 @@ def sgl_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
 def sgl_config(src: Source) -> dict[str, Any]:
     tcfg = src.target_config
     head = _head(src)
-    conf = clean_config(tcfg)
+    conf = clean_config(draft_layer_config(tcfg))  # a Llama layer of the target's dimensions
     ids = _layer_ids(src)
     n = int(tcfg.num_hidden_layers)
     conf.update(
