@@ -644,9 +644,13 @@ def _generate(
             n_rows = len(kept) + len(new_rows)
             nb: list[tuple[torch.Tensor, torch.Tensor]] = []
             if n_rows:
-                ref = bufs[0][0] if bufs else admitted[0][1][0][0]
-                shape = (n_rows, ref.shape[1], new_end + headroom, ref.shape[3])
-                nb = [(ref.new_zeros(shape), ref.new_zeros(shape)) for _ in range(len(bufs or admitted[0][1]))]
+                # per layer, keys and values each their own heads and width (multi-head latent attention's keys
+                # are wider than its values)
+                refs = bufs or admitted[0][1]
+                nb = [
+                    tuple(t.new_zeros((n_rows, t.shape[1], new_end + headroom, t.shape[3])) for t in kv)  # type: ignore[misc]
+                    for kv in refs
+                ]
             if kept:
                 wk = max(clen[r] for r in kept)
                 idx = torch.tensor(kept, device=device)

@@ -69,6 +69,33 @@ class Skip(Exception):
         self.reason = reason
 
 
+TOOL_ROLES = ("tool", "function", "ipython")
+"""Roles of tool results in chat-completion logs: such conversations are skipped (``tool_message``), as are
+assistant turns that only call tools (``tool_calls``); rendering them needs the serving stack's tool schema."""
+
+
+def content_text(content: Any) -> str:
+    """A message's text: a string as it is, or the text parts of an OpenAI content list (``[{"type": "text",
+    "text": ...}, ...]``, also bare strings in the list) joined without a separator, as chat templates render a
+    list of text parts. Raises :class:`Skip`: ``non_text_content`` for a list holding an image, audio, file or other
+    non-text part (a text-only target cannot be shown it), ``non_string_content`` for anything else."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise Skip("non_string_content")
+    parts: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif isinstance(part, dict) and isinstance(part.get("type"), str):
+            raise Skip("non_text_content")
+        else:
+            raise Skip("non_string_content")
+    return "".join(parts)
+
+
 def normalise_messages(raw: Any, max_chars: int, max_turns: int) -> list[dict[str, str]]:
     """Validate and normalise a list of messages; raise :class:`Skip` with the reason when malformed.
 
@@ -84,10 +111,13 @@ def normalise_messages(raw: Any, max_chars: int, max_turns: int) -> list[dict[st
             raise Skip("not_a_message")
         role = msg.get("role", msg.get("from"))
         content = msg.get("content", msg.get("value"))
+        if isinstance(role, str) and role.lower() in TOOL_ROLES:
+            raise Skip("tool_message")
         if not isinstance(role, str) or role.lower() not in ROLE_MAP:
             raise Skip("unknown_role")
-        if not isinstance(content, str):
-            raise Skip("non_string_content")
+        if msg.get("tool_calls") or msg.get("function_call"):
+            raise Skip("tool_calls")
+        content = content_text(content)
         if len(content) > max_chars:
             raise Skip("message_too_long")
         out.append({"role": ROLE_MAP[role.lower()], "content": content})
@@ -310,9 +340,7 @@ def read_jsonl(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounte
                     raise Skip("not_an_object")
                 raw = rec.get("messages")
                 if raw is None and "prompt" in rec:
-                    if not isinstance(rec["prompt"], str):
-                        raise Skip("non_string_content")
-                    raw = [{"role": "user", "content": rec["prompt"]}]
+                    raw = [{"role": "user", "content": content_text(rec["prompt"])}]
                 msgs = normalise_messages(raw, data.max_message_chars, data.max_turns)
             except Skip as s:
                 skips.add(name, s.reason)

@@ -75,16 +75,70 @@ ARCHITECTURES: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
     "olmo2": ("Olmo2Config", lambda: {"pad_token_id": 0}),
     "granite": ("GraniteConfig", lambda: {}),
     "mixtral": ("MixtralConfig", lambda: {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # beyond the usual ones: multi-head latent attention, logit scaling, partial rotary, learned positions, ...
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        lambda: {
+            "num_key_value_heads": HEADS,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "cohere": ("CohereConfig", lambda: {"logit_scale": 0.5}),
+    "glm4": ("Glm4Config", lambda: {"head_dim": HEAD_DIM}),
+    "gpt2": ("GPT2Config", lambda: {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "n_positions": 4096}),
+    "falcon": ("FalconConfig", lambda: {}),
+    "starcoder2": ("Starcoder2Config", lambda: {"sliding_window": 16}),
+    "smollm3": ("SmolLM3Config", lambda: {}),
+    "olmoe": ("OlmoeConfig", lambda: {"num_experts": 4, "num_experts_per_tok": 2}),
+    "ernie4_5": ("Ernie4_5Config", lambda: {"head_dim": HEAD_DIM}),
+    "exaone4": ("Exaone4Config", lambda: {"sliding_window": 16}),
 }
+REFUSED = {
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        lambda: {
+            "head_dim": HEAD_DIM,
+            "linear_num_value_heads": 2,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+        },
+    ),
+    "llama4_text": (
+        "Llama4TextConfig",
+        lambda: {
+            "head_dim": HEAD_DIM,
+            "num_local_experts": 2,
+            "intermediate_size_mlp": 256,
+            "attention_chunk_size": 16,
+        },
+    ),
+}
+"""Architectures the drafters cannot work with (linear attention's recurrent state, chunked attention), which
+``load_target`` refuses naming them; built by the same function for the tests of that refusal."""
 
 
 def tiny_config(arch: str, vocab_size: int, special: dict[str, int | None]) -> Any:
     """The transformers config of a tiny ``arch`` target with ``vocab_size`` tokens."""
     import transformers
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; one of: {', '.join(ARCHITECTURES)}")
-    cls_name, extra = ARCHITECTURES[arch]
+    known = {**ARCHITECTURES, **REFUSED}
+    if arch not in known:
+        raise ValueError(f"unknown architecture {arch!r}; one of: {', '.join(known)}")
+    cls_name, extra = known[arch]
     cls = getattr(transformers, cls_name, None)
     if cls is None:
         raise ValueError(f"this transformers ({transformers.__version__}) has no {cls_name}")
@@ -129,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.arch == "list":
         print("\n".join(f"{k}\t{v[0]}" for k, v in ARCHITECTURES.items()))
+        print("\n".join(f"{k}\t{v[0]}\t(refused by load_target)" for k, v in REFUSED.items()))
         return 0
     if not args.out:
         ap.error("--out is required")

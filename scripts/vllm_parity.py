@@ -312,6 +312,14 @@ def load_train_prompts(synth_dir: str | Path, per_source: int, max_prompt_tokens
     return prompts
 
 
+def synth_target_path(synth_dir: str) -> str | None:
+    """The target the synth run decoded with (its manifest's ``target.path``; None: the embedded default)."""
+    manifest = Path(synth_dir) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    return ((json.loads(manifest.read_text(encoding="utf-8")).get("config") or {}).get("target") or {}).get("path")
+
+
 def main_side(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -322,7 +330,10 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(TargetConfig(device="cpu", dtype="float32"))
+    target_path = args.target_path or synth_target_path(args.synth_dir)
+    target = load_target(
+        TargetConfig(name=target_path or "smollm2-135m", path=target_path, device="cpu", dtype="float32")
+    )
     if args.split == "train":
         prompts = load_train_prompts(args.synth_dir, args.num_prompts, args.max_prompt_tokens)
     else:
@@ -427,6 +438,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return ns
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--synth-dir", default="runs/quickstart/synth")
+    ap.add_argument("--target-path", default=None, help="the target (default: the one the synth run used)")
     ap.add_argument("--draft", default="target_layers:6", help="target_layers:N or a HF draft directory")
     ap.add_argument(
         "--drafter",

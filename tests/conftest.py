@@ -19,6 +19,7 @@ CONF = REPO / "conf"
 HEAVY_FIRST = (
     "test_export/test_vllm_parity.py",
     "test_eval/test_replay.py",
+    "test_targets/test_architectures.py",
     "test_train/test_eagle_train.py",
     "test_cluster/test_slurm.py",
     "test_data/test_synth_vllm.py",

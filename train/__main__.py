@@ -312,7 +312,17 @@ def cli() -> None:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        if debug_mode():
+            raise
+        print(
+            "error: interrupted; outputs are written atomically and training checkpoints at save_every steps: rerun "
+            "the same command (train: resume=true) to go on",
+            file=sys.stderr,
+        )
+        sys.exit(130)
 
 
 if __name__ == "__main__":

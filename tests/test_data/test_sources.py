@@ -66,6 +66,34 @@ def test_jsonl_malformed_rows_are_counted_not_fatal(tmp_path: Path) -> None:
     }
 
 
+def test_openai_content_parts_and_tool_messages(tmp_path: Path) -> None:
+    """Chat-completion logs: text parts of a content list are joined and used; a conversation with an image part,
+    a tool result or a tool call is skipped and counted under its own reason."""
+    parts = [{"type": "text", "text": "Sum "}, {"type": "text", "text": "2 and 3."}]
+    rows = [
+        {"id": "parts", "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": ["5", "."]}]},
+        {"id": "img", "messages": [{"role": "user", "content": [*parts, {"type": "image_url", "image_url": {}}]}]},
+        {"id": "tool", "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "{}"}]},
+        {"id": "call", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{}]}]},
+        {"id": "bad", "messages": [{"role": "user", "content": [{"text": 3}]}]},
+        {"id": "p", "prompt": [{"type": "text", "text": "a prompt in parts"}]},
+    ]
+    f = tmp_path / "log.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    skips = SkipCounter()
+    convs = list(read_source("log", SourceConfig(kind="jsonl", paths=[str(f)]), DataConfig(), skips))
+    assert [(c.id, c.messages) for c in convs] == [
+        ("parts", [{"role": "user", "content": "Sum 2 and 3."}, {"role": "assistant", "content": "5."}]),
+        ("p", [{"role": "user", "content": "a prompt in parts"}]),
+    ]
+    assert skips.to_dict()["log"] == {
+        "non_text_content": 1,
+        "tool_message": 1,
+        "tool_calls": 1,
+        "non_string_content": 1,
+    }
+
+
 def test_parquet_source(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

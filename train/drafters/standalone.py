@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -207,7 +208,9 @@ def build(cfg: StandaloneConfig, target: Any) -> nn.Module:
         _check_vocab_size(draft, tcfg, cfg.pretrained_path)
     else:
         conf = _draft_config(cfg, tcfg)
-        draft = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa", dtype=torch.float32)
+        draft = sdpa_or_eager(
+            lambda impl: AutoModelForCausalLM.from_config(conf, attn_implementation=impl, dtype=torch.float32)
+        )
         if cfg.init == "target":
             ids = cfg.layer_ids or default_layer_ids(cfg.num_layers, tcfg.num_hidden_layers)
             _copy_from_target(draft, target, list(ids))
@@ -224,6 +227,18 @@ def build(cfg: StandaloneConfig, target: Any) -> nn.Module:
     return draft.to(next(target.parameters()).dtype)
 
 
+def sdpa_or_eager(make: Callable[[str], nn.Module]) -> nn.Module:
+    """``make("sdpa")``, or ``make("eager")`` for an architecture without an sdpa attention (GPT-OSS, whose attention
+    sinks transformers computes eagerly); both take the decoder's custom 4D tree masks."""
+    try:
+        return make("sdpa")
+    except ValueError as exc:
+        if "attention implementation" not in str(exc):
+            raise
+        logger.info("no sdpa attention for this architecture (%s); eager attention", str(exc).split(".")[0])
+        return make("eager")
+
+
 def _load_hf(path: str, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -232,7 +247,11 @@ def _load_hf(path: str, dtype: torch.dtype) -> nn.Module:
         raise ConfigError(f"drafter.pretrained_path={path!r} is not a Hugging Face model directory (no config.json)")
     if not list(p.glob("*.safetensors")):
         raise ConfigError(f"{path!r} holds no safetensors weights (only safetensors checkpoints are loaded)")
-    return AutoModelForCausalLM.from_pretrained(p, dtype=dtype, attn_implementation="sdpa", use_safetensors=True)
+    return sdpa_or_eager(
+        lambda impl: AutoModelForCausalLM.from_pretrained(
+            p, dtype=dtype, attn_implementation=impl, use_safetensors=True
+        )
+    )
 
 
 def _check_vocab_size(draft: nn.Module, tcfg: Any, where: str) -> None:
@@ -325,8 +344,11 @@ def load(directory: str, target: Any, cfg: StandaloneConfig | None = None) -> nn
         raise ValueError(f"{path} is not a saved standalone drafter (config.json + safetensors)")
     from transformers import AutoModelForCausalLM
 
-    draft = AutoModelForCausalLM.from_pretrained(
-        path, dtype=next(target.parameters()).dtype, attn_implementation="sdpa", use_safetensors=True
+    dtype = next(target.parameters()).dtype
+    draft = sdpa_or_eager(
+        lambda impl: AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=impl, use_safetensors=True
+        )
     )
     draft_vocab, target_vocab = int(draft.config.get_text_config().vocab_size), int(target.config.vocab_size)
     if draft_vocab != target_vocab:

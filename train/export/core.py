@@ -32,8 +32,9 @@ Shapes = dict[str, tuple[int, ...]]
 T = TypeVar("T")
 
 
-class ExportError(ValueError):
-    """An export was refused: a required tensor is missing, a shape is wrong, or the re-import differs."""
+class ExportError(ConfigError):
+    """An export was refused: a required tensor is missing, a shape is wrong, or the re-import differs. A user error
+    (a drafter that cannot be written in the asked format): the CLI ends it as ``error: ...``, exit 2."""
 
 
 @dataclass

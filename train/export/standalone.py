@@ -42,22 +42,25 @@ def _tied(model: Any) -> bool:
     return bool(tied)
 
 
+def _name_of(model: Any, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> str:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is tensor and name in state:
+            return name
+    raise ValueError(f"{type(model).__name__}: its embedding / LM head is not among its parameters")
+
+
 def required_for(model: Any, vocab: int) -> dict[str, Shapes]:
-    """Every tensor of a Llama-style causal LM, embedding/LM head rows = the target's vocabulary."""
-    conf = model.config
-    H = conf.hidden_size
-    req: Shapes = {}
-    for k, v in model.state_dict().items():
-        if k == "lm_head.weight" and _tied(model):
-            continue
-        req[k] = tuple(v.shape)
-    req["model.embed_tokens.weight"] = (vocab, H)
-    req["model.norm.weight"] = (H,)
+    """Every tensor of the draft causal LM, whatever its architecture (its own state, so its own names), with the
+    embedding's (and an untied LM head's) rows = the target's vocabulary."""
+    state = dict(model.state_dict())
+    if _tied(model):
+        state.pop("lm_head.weight", None)
+    req: Shapes = {k: tuple(v.shape) for k, v in state.items()}
+    emb = model.get_input_embeddings().weight
+    req[_name_of(model, emb, state)] = (vocab, int(emb.shape[1]))
     if not _tied(model):
-        req["lm_head.weight"] = (vocab, H)
-    for layer in range(conf.num_hidden_layers):
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            req.setdefault(f"model.layers.{layer}.{name}", (H,))
+        out = model.get_output_embeddings().weight
+        req[_name_of(model, out, state)] = (vocab, int(out.shape[1]))
     return {WEIGHTS: req}
 
 
