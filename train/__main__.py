@@ -114,6 +114,9 @@ def _stage_compare(cfg: Config, run_dir: Path) -> Any:
 def _stage_all(cfg: Config, run_dir: Path) -> Any:
     """synth -> (features) -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
     runs/<run_name>/{synth,train,eval}, where the single-stage commands look for them."""
+    from train.loop import validate_train
+
+    validate_train(cfg)  # the training settings are checked before the synth and features stages spend time
     base = run_dir.parent if run_dir.name == "all" else run_dir
     cfg.synth_dir, cfg.train_dir = str(base / "synth"), str(base / "train")
     logger.info("stage all: synth -> train -> eval under %s", base)
@@ -171,10 +174,36 @@ def check_stage(stage: str) -> None:
         raise ConfigError(f"Unknown stage {stage!r}. {stage_help()}")
 
 
+def compose_check(overrides: list[str]) -> None:
+    """Compose the config as Hydra will (one run, not a sweep) and end what Hydra would report with exit 1 and a
+    stack-trace hint -- a value of the wrong type (``train.lr=abc``), an unknown config group option
+    (``drafter=foo``), a malformed override -- as a :class:`ConfigError` naming it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    own = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose("config", overrides=own)
+    except (HydraException, OmegaConfBaseException) as exc:
+        noise = ("full_key:", "object_type=", "reference_type=", "msg:", "Set the environment variable")
+        raw = str(exc).split("Config search path")[0]
+        if exc.__cause__ is not None:  # e.g. "Value 'abc' of type 'str' could not be converted to Float"
+            raw += "\n" + str(exc.__cause__)
+        lines = [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.strip().startswith(noise)]
+        lines = list(dict.fromkeys(lines))
+        text = (lines[0] + (": " + ", ".join(lines[1:]) if len(lines) > 1 else "")) if lines else type(exc).__name__
+        raise ConfigError(f"{text.replace(':,', ':')} (in the command-line overrides)") from None
+
+
 def preflight(argv: list[str]) -> None:
     """Fail fast, before Hydra composes, on an unknown key or stage in the command line."""
     overrides = [a for a in argv if not a.startswith("-")]
     check_overrides(overrides, config_groups(), default_drafter(overrides))
+    # one run with the project's own configs (a sweep, another config dir or name, --cfg/--info: Hydra's own)
+    if not any(a.startswith("-") and a not in ("--debug",) for a in argv):
+        compose_check(overrides)
     for ov in overrides:
         if ov.startswith("run_name="):
             for name in ov.split("=", 1)[1].split(","):

@@ -111,6 +111,21 @@ def validate_train(cfg: Config) -> None:
             errors.append(f"train.{key}={getattr(t, key)} must be >= 1")
     if t.eval_every < 0:
         errors.append(f"train.eval_every={t.eval_every} must be >= 0 (0: the held-out check at the end only)")
+    for key, low in (("eval_prompts", 1), ("eval_max_new_tokens", 1), ("max_seq_len", 8), ("bucket_size", 1)):
+        if getattr(t, key) < low:
+            errors.append(f"train.{key}={getattr(t, key)} must be >= {low}")
+    for key in ("warmup_steps", "weight_decay", "max_grad_norm", "muon_weight_decay"):
+        if getattr(t, key) < 0:
+            errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
+    for key in ("beta1", "beta2", "muon_momentum"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            errors.append(f"train.{key}={getattr(t, key)} must be in [0, 1)")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        errors.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.muon_lr is not None and t.muon_lr <= 0:
+        errors.append(f"train.muon_lr={t.muon_lr} must be > 0 (or null: train.lr)")
+    if t.stop_after_steps is not None and t.stop_after_steps < 1:
+        errors.append(f"train.stop_after_steps={t.stop_after_steps} must be >= 1 (or null)")
     if not t.ema_warmup >= 1.0:
         errors.append(f"train.ema_warmup={t.ema_warmup} must be >= 1")
     if t.ema_decay > 0 and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3:

@@ -72,6 +72,21 @@ def is_stale(holder: dict[str, Any]) -> bool:
     return job is not None and holder.get("slurm_job_id") == job
 
 
+EMPTY_LOCK_GRACE_S = 10.0
+"""An empty or unreadable lock file older than this is stale: its writer died (or the disk filled) between
+creating it and writing its holder, which takes microseconds; younger, it may still be being written."""
+
+
+def stale(path: Path, holder: dict[str, Any]) -> bool:
+    """:func:`is_stale`, and an empty or unreadable lock file older than :data:`EMPTY_LOCK_GRACE_S`."""
+    if holder:
+        return is_stale(holder)
+    try:
+        return time.time() - path.stat().st_mtime > EMPTY_LOCK_GRACE_S
+    except FileNotFoundError:
+        return True
+
+
 def _describe(holder: dict[str, Any]) -> str:
     since = holder.get("time")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, int | float) else "?"
@@ -110,12 +125,12 @@ class RunLock:
         if self.path.name != LOCK_NAME:  # a shard lock also respects the whole-directory lock
             main = self.run_dir / LOCK_NAME
             holder = read_holder(main)
-            if holder is not None and not is_stale(holder):
+            if holder is not None and not stale(main, holder):
                 raise self._refuse(holder, main)
         else:  # the whole-directory lock waits for no shard, but refuses while a live shard task writes
             for shard in sorted(self.run_dir.glob(f"{LOCK_NAME}-shard-*")):
                 holder = read_holder(shard)
-                if holder is not None and not shard.name.count(".stale.") and not is_stale(holder):
+                if holder is not None and not shard.name.count(".stale.") and not stale(shard, holder):
                     raise self._refuse(holder, shard)
         info = {
             "pid": os.getpid(),
@@ -133,19 +148,29 @@ class RunLock:
                 holder = read_holder(self.path)
                 if holder is None:  # released between our open and our read: try again
                     continue
-                if not is_stale(holder):
+                if not stale(self.path, holder):
                     raise self._refuse(holder, self.path) from None
-                logger.warning("removing the stale lock %s of %s (no longer running)", self.path, _describe(holder))
+                what = _describe(holder) if holder else "an empty lock file (its writer died while creating it)"
+                logger.warning("removing the stale lock %s of %s (no longer running)", self.path, what)
                 # Rename first: of two processes removing the same stale lock only one rename succeeds.
                 aside = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(self.path, aside)
                     aside.unlink(missing_ok=True)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(info, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    json.dump(info, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except BaseException as exc:  # a lock that was never written must not outlive this attempt
+                self.path.unlink(missing_ok=True)
+                if isinstance(exc, OSError):
+                    raise ConfigError(
+                        f"cannot write the run lock {self.path}: {exc.strerror or exc}; free disk space (or fix the "
+                        "directory's permissions) and rerun"
+                    ) from exc
+                raise
             self.held = True
             logger.debug("locked %s", self.path)
             return

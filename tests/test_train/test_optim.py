@@ -200,6 +200,14 @@ def test_weight_average_warmup_sets_how_fast_the_decay_ramps() -> None:
         ("log_every", 0, r"train\.log_every=0 must be >= 1"),
         ("keep_checkpoints", 0, r"train\.keep_checkpoints=0 must be >= 1"),
         ("eval_every", -1, r"train\.eval_every=-1 must be >= 0"),
+        # a run that could never finish: all steps, then the final held-out check had nothing to check
+        ("eval_prompts", 0, r"train\.eval_prompts=0 must be >= 1"),
+        ("eval_max_new_tokens", 0, r"train\.eval_max_new_tokens=0 must be >= 1"),
+        ("max_seq_len", 0, r"train\.max_seq_len=0 must be >= 8"),
+        ("warmup_steps", -5, r"train\.warmup_steps=-5 must be >= 0"),
+        ("beta2", 1.0, r"train\.beta2=1\.0 must be in \[0, 1\)"),
+        ("min_lr_ratio", 2.0, r"train\.min_lr_ratio=2\.0 must be in \[0, 1\]"),
+        ("stop_after_steps", 0, r"train\.stop_after_steps=0 must be >= 1"),
     ],
 )
 def test_step_intervals_are_refused_before_training(key: str, value: int, message: str) -> None:

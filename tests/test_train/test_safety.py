@@ -142,6 +142,41 @@ def test_lock_unit_behaviour(tmp_path: Path) -> None:
         RunLock(tmp_path, "synth").acquire()
 
 
+def test_a_lock_that_was_never_written_cannot_block_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection at the lock: the disk fills (or the process dies) between creating the lock file and writing
+    its holder. A failed write removes the file and says why; an empty or unreadable lock left by a killed process
+    is stale once it is older than the grace period (younger, it may still be being written: refused)."""
+    import errno
+
+    from data.config import ConfigError
+    from train import runlock
+    from train.runlock import RunLock, RunLockedError
+
+    real_fsync = os.fsync
+
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runlock.os, "fsync", full_disk)
+    with pytest.raises(ConfigError, match="No space left on device; free disk space"):
+        RunLock(tmp_path, "train").acquire()
+    assert not (tmp_path / ".lock").exists()  # nothing left to block the next run
+    monkeypatch.setattr(runlock.os, "fsync", real_fsync)
+    with RunLock(tmp_path, "train"):
+        pass
+
+    for content in ("", "{not json"):  # killed between create and write / mid-write
+        lock = tmp_path / ".lock"
+        lock.write_text(content)
+        with pytest.raises(RunLockedError):  # just created: maybe still being written
+            RunLock(tmp_path, "train").acquire()
+        old = time.time() - runlock.EMPTY_LOCK_GRACE_S - 5
+        os.utime(lock, (old, old))
+        with RunLock(tmp_path, "train"):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert not lock.exists()
+
+
 # -- 3, 6, 7. honest resume --------------------------------------------------------------------------------------
 
 
@@ -300,6 +335,11 @@ def test_eval_refuses_to_replace_results_of_another_config(tmp_path: Path, run_e
             "eval.prompts: /nonexistent/t.jsonl does not exist",
         ),
         (["stage=synth", "data=jsonl", "data.sources.mine.paths=[/tmp]"], "/tmp is a directory, not a file"),
+        # Hydra's own composition errors, ended as ours
+        (["stage=synth", "train.lr=abc"], "train.lr=abc: Value 'abc' of type 'str' could not be converted to Float"),
+        (["stage=synth", "drafter=foo"], "Could not find 'drafter/foo': Available options in 'drafter': eagle"),
+        # a training setting that could never finish is refused before stage all's synth runs
+        (["stage=all", "train.eval_prompts=0"], "train.eval_prompts=0 must be >= 1"),
     ],
 )
 def test_user_errors_exit_2_without_traceback(
@@ -317,9 +357,9 @@ def test_debug_flag_shows_the_traceback(tmp_path: Path, run_env: dict[str, str])
 def test_schema_entries_are_not_drafter_choices(run_env: dict[str, str], tmp_path: Path) -> None:
     res = _run(["stage=train", "drafter=eagle_schema", f"hydra.run.dir={tmp_path}"], run_env, timeout=120)
     out = res.stdout + res.stderr
-    assert res.returncode != 0 and "Could not find 'drafter/eagle_schema'" in out
-    options = out.split("Available options in 'drafter':", 1)[1].split("Config search path", 1)[0].split()
-    assert options == ["eagle", "eagle3", "medusa", "standalone"]
+    assert res.returncode == 2 and "error: " in res.stderr and "Could not find 'drafter/eagle_schema'" in out
+    options = out.split("Available options in 'drafter':", 1)[1].split("(in the command-line", 1)[0]
+    assert [o.strip() for o in options.split(",")] == ["eagle", "eagle3", "medusa", "standalone"]
 
 
 # -- 7. corrupt or missing inputs are named, with a hint, before the target loads ---------------------------------
