@@ -756,10 +756,15 @@ class Trainer:
                 self.tracker.files(self.run_dir, files)
 
     def cleanup(self) -> None:
+        from accelerate.state import AcceleratorState
+
         if self.tracker:
             self.tracker.finish()
         if hasattr(self, "acc"):
-            self.acc.end_training()
+            self.acc.end_training()  # destroys the process group ...
+            # ... but accelerate's process-wide state (a singleton) still says it is set up: the next training job
+            # in this process (a local Hydra multirun sweep) would build on a process group that is gone
+            AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def run_train(cfg: Config, run_dir: Path) -> dict[str, Any]:
