@@ -257,6 +257,11 @@ def _records_from_file(path: Path) -> Iterator[Any]:
                 f"{path}: not a readable Parquet file ({str(exc).splitlines()[0][:200]}). Hint: check the file is "
                 f"complete and really Parquet (JSONL files need a .jsonl or .jsonl.gz name)."
             ) from None
+        if not {"messages", "prompt"} & set(table.column_names):
+            raise DataError(
+                f"{path}: no 'messages' or 'prompt' column (it has: {', '.join(table.column_names[:12])}); traffic "
+                f"rows need an OpenAI-style messages list or a prompt string"
+            )
         yield from table.to_pylist()
         return
     shown: Counter[str] = Counter()
@@ -341,6 +346,8 @@ def read_jsonl(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounte
                 raw = rec.get("messages")
                 if raw is None and "prompt" in rec:
                     raw = [{"role": "user", "content": content_text(rec["prompt"])}]
+                elif raw is None and "messages" not in rec:
+                    raise Skip("no_messages_or_prompt")
                 msgs = normalise_messages(raw, data.max_message_chars, data.max_turns)
             except Skip as s:
                 skips.add(name, s.reason)

@@ -133,6 +133,14 @@ def resolve_target_path(cfg: TargetConfig) -> str:
             f"target.path={cfg.path!r} does not exist. Point it at a Hugging Face model directory, "
             f"a hub id (org/name), or leave it unset for the embedded SmolLM2 target."
         )
+    if os.path.isdir(path) and cfg.gguf_file is None and not (Path(path) / "config.json").is_file():
+        ggufs = sorted(p.name for p in Path(path).glob("*.gguf"))
+        hint = f" It holds {ggufs[0]}: add target.gguf_file={ggufs[0]}." if ggufs else ""
+        raise TargetError(
+            f"target.path={cfg.path!r} is a directory without config.json: not a Hugging Face model.{hint}"
+        )
+    if os.path.isfile(path):
+        raise TargetError(f"target.path={cfg.path!r} is a file; point it at the model's directory")
     if cfg.gguf_file is not None:
         gguf = Path(path) / cfg.gguf_file
         if not gguf.is_file():

@@ -29,6 +29,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from data.atomic import DiskFullError
 from data.config import ConfigError, TargetError
 from data.manifest import check_same_config
 from train.checkpoints import check_drafter_dir
@@ -264,6 +265,7 @@ def debug_mode() -> bool:
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError,
     TargetError,
+    DiskFullError,
     FileNotFoundError,
     NotADirectoryError,
     IsADirectoryError,

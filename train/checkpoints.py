@@ -64,12 +64,14 @@ def check_state_file(path: Path) -> None:
             torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
-            first = str(exc).strip().splitlines()
-            cause = next((line for line in first if "GLOBAL" in line or "global" in line), first[0] if first else "")
+            # torch's message also advises re-running with weights_only=False: the unsafe action, never quoted
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "weights_only" not in ln]
+            cause = next((ln for ln in lines if "GLOBAL" in ln or "global" in ln), "")
+            detail = f" ({cause[:200]})" if cause else ""
             raise UnsafeCheckpointError(
                 f"refusing to load {path}: it holds pickled objects other than tensors and plain values, which "
-                f"could run code when loaded ({cause.strip()[:200]}). Delete that file (or the checkpoint) if you "
-                f"did not put it there."
+                f"could run code when loaded{detail}. Delete that file (or the checkpoint) if you did not put it "
+                "there; do not load it with weights_only=False."
             ) from None
         raise CorruptCheckpointError(f"{path}: unreadable ({exc})") from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:

@@ -94,6 +94,23 @@ def test_openai_content_parts_and_tool_messages(tmp_path: Path) -> None:
     }
 
 
+def test_rows_without_messages_or_prompt_are_named(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data.sources import DataError
+
+    f = tmp_path / "wrong.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "x", "text": "hello"}]), f)
+    with pytest.raises(DataError, match="no 'messages' or 'prompt' column \\(it has: id, text\\)"):
+        list(read_source("w", SourceConfig(kind="jsonl", paths=[str(f)]), DataConfig(), SkipCounter()))
+    j = tmp_path / "rows.jsonl"
+    j.write_text(json.dumps({"id": "y", "text": "hello"}) + "\n" + json.dumps({"id": "z", "messages": None}) + "\n")
+    skips = SkipCounter()
+    assert not list(read_source("j", SourceConfig(kind="jsonl", paths=[str(j)]), DataConfig(), skips))
+    assert skips.to_dict()["j"] == {"no_messages_or_prompt": 1, "empty": 1}
+
+
 def test_parquet_source(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -281,6 +281,11 @@ def test_cli_refuses_an_encoder_decoder_with_one_line(tmp_path: Path, run_env: d
     )
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and "error: " in res.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _cli(["stage=synth", "target=hf", f"target.path={empty}", f"runs_root={tmp_path}"], run_env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "is a directory without config.json: not a Hugging Face model" in res.stderr
 
 
 def test_ctrl_c_ends_with_one_line_and_exit_130(tiny_root: Path, tmp_path: Path, run_env: dict[str, str]) -> None:

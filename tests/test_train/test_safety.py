@@ -442,6 +442,9 @@ def test_state_file_gate_accepts_deepspeed_data_and_refuses_code(tmp_path: Path)
     marker = tmp_path / "pwned"
     bad = ckpt / "state" / "random_states_0.pkl"
     torch.save({"rng": _Planted(str(marker))}, bad)
-    with pytest.raises(UnsafeCheckpointError, match=r"random_states_0\.pkl"):
+    with pytest.raises(UnsafeCheckpointError, match=r"random_states_0\.pkl") as refused:
         check_state_file(bad)
     assert not marker.exists()
+    # the message names the offending global and never relays torch's advice to retry with weights_only=False
+    assert "posix.system" in str(refused.value) or "os.system" in str(refused.value), str(refused.value)
+    assert "set to `False`" not in str(refused.value) and "do not load it with weights_only=False" in str(refused.value)

@@ -238,7 +238,12 @@ def get_format(family: str, name: str | None) -> Format:
     if not name:
         raise ConfigError(f"export.format is not set.\n{pairs_text()}")
     if (family, name) not in FORMATS:
-        raise ConfigError(f"No exporter for drafter {family!r} in format {name!r}.\n{pairs_text()}")
+        own = [n for f, n in valid_pairs() if f == family]
+        fits = f"a {family} drafter exports as: {', '.join(f'export={n}' for n in own)}" if own else ""
+        raise ConfigError(
+            f"No exporter for drafter {family!r} in format {name!r}; {fits or f'{family} has no export format'}.\n"
+            f"{pairs_text()}"
+        )
     return FORMATS[(family, name)]
 
 
