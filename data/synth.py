@@ -600,6 +600,12 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
         skips.total(),
     )
     n_turns = sum(min(c.num_user_turns(), cfg.data.max_turns) for i in todo for c in chunks[i])
+    segment = _Segment(out, t_start)
+
+    def write_chunk(i: int, rows: list[dict[str, Any]], stats: ChunkStats) -> None:
+        _write_chunk(out, i, rows, stats)
+        segment.record()
+
     engine = start_engine(cfg, target) if todo else None
     finished = False
     try:
@@ -615,7 +621,7 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
                     cfg.synth,
                     cfg.data.max_prompt_tokens,
                     bar,
-                    lambda i, rows, stats: _write_chunk(out, i, rows, stats),
+                    write_chunk,
                     seed=cfg.seed,
                 )
             else:
@@ -627,20 +633,53 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
                     )
                     if engine is not None and n == 0:
                         stats.engine_start_seconds = round(engine.start_seconds, 2)
-                    _write_chunk(out, i, rows, stats)
+                    write_chunk(i, rows, stats)
         finished = True
     finally:
         if engine is not None:
             engine.close(graceful=finished)  # after an error or Ctrl-C: stop the engine at once
+    segment.record()
     if any(not chunk_path(out, i).is_file() for i in range(len(chunks))):
         logger.info("synth shard(s) %s done; other shards still running (then: python -m train stage=merge)", shards)
         return None
-    return merge(cfg, out, elapsed=time.perf_counter() - t_start)
+    return merge(cfg, out)
 
 
 def _write_chunk(out: Path, index: int, rows: list[dict[str, Any]], stats: ChunkStats) -> None:
     atomic_write_json(stats_path(out, index), asdict(stats))  # before the chunk: a chunk implies its stats
     write_rows(chunk_path(out, index), rows)
+
+
+SEGMENTS_DIR = "segments"
+"""``<synth dir>/segments/<process>.json``: the wall seconds of each process that worked on the run (a first run, its
+resumes after a kill, each shard of an array), updated as each chunk is written; the stage's time is their sum."""
+
+
+class _Segment:
+    """This process's share of the stage's time, recorded so that a rerun or resume adds to it instead of
+    replacing it (a killed process keeps what it recorded at its last chunk)."""
+
+    def __init__(self, out: Path, t_start: float) -> None:
+        self.path = out / SEGMENTS_DIR / f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}.json"
+        self.t_start = t_start
+        self.started = time.time()
+
+    def record(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        seconds = round(time.perf_counter() - self.t_start, 3)
+        atomic_write_json(self.path, {"started": self.started, "seconds": seconds})
+
+
+def stage_seconds(out: Path) -> tuple[float | None, int]:
+    """The summed seconds of every recorded segment of the synth run in ``out`` and their count."""
+    total, n = 0.0, 0
+    for f in sorted((out / SEGMENTS_DIR).glob("*.json")):
+        try:
+            total += float(json.loads(f.read_text(encoding="utf-8"))["seconds"])
+            n += 1
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a segment file is bookkeeping: an unreadable one costs its seconds, not the run
+    return (total if n else None), n
 
 
 def start_engine(cfg: RunConfig, target: Target) -> VLLMEngine | None:
@@ -670,8 +709,10 @@ def start_engine(cfg: RunConfig, target: Target) -> VLLMEngine | None:
     )
 
 
-def merge(cfg: RunConfig, out: Path, elapsed: float | None = None) -> dict[str, Any]:
-    """Check that every chunk exists and write ``manifest.json`` (counts, skips, throughput)."""
+def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
+    """Check that every chunk exists and write ``manifest.json`` (counts, skips, throughput; the stage's seconds
+    summed over every process that worked on it)."""
+    seconds, segments = stage_seconds(out)
     plan_file = out / "plan.json"
     if not plan_file.is_file():
         raise FileNotFoundError(f"{plan_file} not found: run stage=synth into {out} first")
@@ -716,7 +757,9 @@ def merge(cfg: RunConfig, out: Path, elapsed: float | None = None) -> dict[str, 
         timings={
             "generation_seconds": round(total.gen_seconds, 3),
             "generated_tokens_per_second": round(total.generated_tokens / max(total.gen_seconds, 1e-9), 2),
-            "stage_seconds": None if elapsed is None else round(elapsed, 3),
+            # every process that worked on the run (first run, resumes, reruns, shards), summed
+            "stage_seconds": None if seconds is None else round(seconds, 3),
+            "stage_segments": segments,
             "engine": ",".join(sorted(engines)),
             "engine_start_seconds": round(total.engine_start_seconds, 2),
         },

@@ -119,6 +119,7 @@ def load_run(entry: str) -> dict[str, Any]:
             "global_batch": tcfg.get("micro_batch_size", 0) * tcfg.get("grad_accum", 1) * world,
             "world_size": world,
             "seconds": res.get("seconds"),
+            "segments": res.get("segments"),
             "tokens_per_s": res.get("train_tokens_per_second"),
             "supervised_tokens_per_s": res.get("supervised_tokens_per_second"),
             "tokens": round(res["train_tokens_per_second"] * res["seconds"])
@@ -171,7 +172,11 @@ def budget_hours(run: dict[str, Any]) -> float | None:
     t = run.get("train") or {}
     if not t.get("seconds"):
         return None
-    seconds = float(t["seconds"]) * int(t.get("world_size") or 1)
+    segments = t.get("segments")  # every process segment of a resumed run, each with its own process count
+    if segments:
+        seconds = sum(float(s["seconds"]) * int(s.get("world_size") or 1) for s in segments)
+    else:
+        seconds = float(t["seconds"]) * int(t.get("world_size") or 1)
     seconds += float((run.get("synth") or {}).get("seconds") or 0.0)
     seconds += float((run.get("features") or {}).get("seconds") or 0.0)
     return seconds / 3600.0

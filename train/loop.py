@@ -232,6 +232,10 @@ class Trainer:
         self.best: dict[str, Any] = {"tau": None, "step": None}
         self.history: list[dict[str, Any]] = []
         self.losses: list[list[float]] = []
+        self.accounting: dict[str, Any] = {"seconds": 0.0, "seq_tokens": 0.0, "sup_tokens": 0.0, "segments": []}
+        """Training time and tokens of the run so far, over every process segment (start, resumes after a kill
+        or a preemption): what the checkpoint this run resumed from recorded, plus this segment at each save."""
+        self._segment: dict[str, float] = {"t0": time.perf_counter(), "step0": 0, "seq": 0.0, "sup": 0.0}
         self._resume_or_refuse()
         self._setup_tracking(len(rows))
 
@@ -441,6 +445,7 @@ class Trainer:
             )
         self.step, self.best, self.history = state["step"], state["best"], state.get("history", [])
         self.losses = state.get("losses", [])
+        self.accounting = state.get("accounting") or self.accounting  # checkpoints older than it: from here on
         self.resumes = [
             *state.get("resumes", []),
             {"step": self.step, "from": last.name, "changed": self.resume_changes, "skipped": skipped},
@@ -619,6 +624,7 @@ class Trainer:
                     "losses": self.losses,
                     "config": asdict(self.cfg),
                     "resumes": self.resumes,
+                    "accounting": self._accounting_now(),
                 },
             )
             shutil.rmtree(final_dir, ignore_errors=True)
@@ -627,6 +633,24 @@ class Trainer:
             if final or evaluate:
                 self._publish_best()
         self.acc.wait_for_everyone()
+
+    def _accounting_now(self, seconds: float | None = None) -> dict[str, Any]:
+        """:attr:`accounting` with this process's segment so far added (a checkpoint records it; the result too);
+        ``seconds``: the segment's own (default: since it started)."""
+        seg = self._segment
+        seconds = time.perf_counter() - seg["t0"] if seconds is None else seconds
+        acct = self.accounting
+        segment = {
+            "steps": [int(seg["step0"]), self.step],
+            "seconds": round(seconds, 2),
+            "world_size": self.world,
+        }
+        return {
+            "seconds": round(acct["seconds"] + seconds, 2),
+            "seq_tokens": acct["seq_tokens"] + seg["seq"],
+            "sup_tokens": acct["sup_tokens"] + seg["sup"],
+            "segments": [*acct["segments"], segment],
+        }
 
     def _prune(self) -> None:
         keep = {self.best.get("checkpoint")}
@@ -649,6 +673,7 @@ class Trainer:
         cfg = self.cfg.train
         stop_at = min(cfg.max_steps, cfg.stop_after_steps or cfg.max_steps)
         t_start = time.perf_counter()
+        self._segment = {"t0": t_start, "step0": self.step, "seq": 0.0, "sup": 0.0}
         seq_tokens = sup_tokens = 0.0
         window_t, window_tok = time.perf_counter(), 0.0
         bar = tqdm(
@@ -667,6 +692,7 @@ class Trainer:
             self.losses.append([self.step, m["loss"]])
             seq_tokens += m["seq_tokens"]
             sup_tokens += m.get("tokens", 0.0) * cfg.grad_accum * self.world
+            self._segment["seq"], self._segment["sup"] = seq_tokens, sup_tokens
             window_tok += m["seq_tokens"]
             bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == stop_at:
@@ -683,6 +709,7 @@ class Trainer:
         elapsed = time.perf_counter() - t_start
         done = self.step >= cfg.max_steps
         self._finish_checkpoints(done)
+        total = self._accounting_now(elapsed)
         result = {
             "steps": self.step,
             "steps_this_process": self.step - start_step,
@@ -694,9 +721,12 @@ class Trainer:
             "world_size": self.world,
             "engine": self.engine,
             "precision": "bf16" if self.bf16 else "fp32",
-            "train_tokens_per_second": round(seq_tokens / max(elapsed, 1e-9), 2),
-            "supervised_tokens_per_second": round(sup_tokens / max(elapsed, 1e-9), 2),
-            "seconds": round(elapsed, 2),
+            # over every segment of the run (a resumed run counts the time before its resume too)
+            "train_tokens_per_second": round(total["seq_tokens"] / max(total["seconds"], 1e-9), 2),
+            "supervised_tokens_per_second": round(total["sup_tokens"] / max(total["seconds"], 1e-9), 2),
+            "seconds": total["seconds"],
+            "seconds_this_process": round(elapsed, 2),
+            "segments": total["segments"],
             "heldout_checks": "ran" if self.heldout_skip is None else f"skipped: {self.heldout_skip}",
         }
         self._write_result(result)

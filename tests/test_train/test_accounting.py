@@ -1,0 +1,67 @@
+"""Time, tokens and budget add up across resumes and reruns (the machine-hours a preempted, requeued run really
+cost): training resumed from a checkpoint counts the segment before it; resuming a finished run keeps its time and
+throughput; a synth rerun adds to the stage's seconds instead of replacing them. A tiny target keeps it to seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from data.tiny_target import make_tiny_target
+from tests.conftest import REPO
+
+SMALL = [
+    "experiment=quickstart",
+    "data.num_prompts=8",
+    "data.max_heldout=2",
+    "data.max_turns=1",
+    "synth.max_new_tokens=12",
+    "synth.chunk_size=4",
+    "data.max_prompt_tokens=200",
+]
+
+
+def _run(args: list[str], env: dict[str, str]) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_time_and_tokens_accumulate_across_resumes_and_reruns(tmp_path: Path, run_env: dict[str, str]) -> None:
+    path = make_tiny_target("llama", tmp_path / "tiny-llama")
+    base = [*SMALL, "target=hf", f"target.path={path}", "drafter=eagle3", "drafter.draft_vocab_size=512"]
+    synth = tmp_path / "synth"
+    _run(["stage=synth", *base, f"hydra.run.dir={synth}"], run_env)
+    first = json.loads((synth / "manifest.json").read_text())["timings"]
+    assert first["stage_segments"] == 1 and first["stage_seconds"] > 0
+    _run(["stage=synth", *base, f"hydra.run.dir={synth}"], run_env)  # a rerun of the finished stage
+    again = json.loads((synth / "manifest.json").read_text())["timings"]
+    assert again["stage_segments"] == 2 and again["stage_seconds"] > first["stage_seconds"]
+    assert again["generation_seconds"] == first["generation_seconds"]  # nothing was generated twice
+
+    train = tmp_path / "train"
+    args = [*base, "stage=train", f"synth_dir={synth}", "train.features=online", "train.save_every=3"]
+    args += ["train.max_steps=6", "train.eval_prompts=1", "train.eval_max_new_tokens=4", f"hydra.run.dir={train}"]
+    _run([*args, "train.stop_after_steps=3"], run_env)  # a job stopped at step 3 (as a preempted one checkpoints)
+    part = json.loads((train / "manifest.json").read_text())["result"]
+    assert not part["finished"] and [s["steps"] for s in part["segments"]] == [[0, 3]]
+    _run([*args, "resume=true"], run_env)
+    whole = json.loads((train / "manifest.json").read_text())["result"]
+    assert whole["finished"] and [s["steps"] for s in whole["segments"]] == [[0, 3], [3, 6]]
+    segs = whole["segments"]
+    assert abs(whole["seconds"] - sum(s["seconds"] for s in segs)) < 0.05
+    assert segs[0]["seconds"] > 0 and whole["seconds"] > whole["seconds_this_process"]
+    assert whole["train_tokens_per_second"] > 0
+    _run([*args, "resume=true"], run_env)  # resuming the finished run: no step, time and throughput kept
+    kept = json.loads((train / "manifest.json").read_text())["result"]
+    assert kept["steps_this_process"] == 0 and kept["seconds"] >= whole["seconds"]
+    assert kept["train_tokens_per_second"] > 0 and len(kept["segments"]) == 3
+
+    from train.compare import budget_hours
+
+    run = {"train": {"seconds": kept["seconds"], "segments": kept["segments"], "world_size": 1}}
+    assert abs(budget_hours(run) * 3600 - sum(s["seconds"] for s in kept["segments"])) < 0.05
