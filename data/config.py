@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Any, ClassVar, Protocol, get_type_hints
 
 
@@ -248,6 +248,11 @@ def flat_config(obj: Any, prefix: str = "") -> dict[str, Any]:
         return out
     out[prefix[:-1]] = obj
     return out
+
+
+def shown_value(v: Any) -> str:
+    """A config value as a user typed it: a choice as its string (``'replay'``, not ``<EvalMode.replay: ...>``)."""
+    return repr(v.value) if isinstance(v, Enum) else repr(v)
 
 
 def changed_keys(old: Any, new: Any, only: tuple[str, ...] | None = None) -> dict[str, tuple[Any, Any]]:

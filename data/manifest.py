@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import atomic_write_json
-from data.config import ConfigError, changed_keys, is_safe_change
+from data.config import ConfigError, changed_keys, is_safe_change, shown_value
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def check_same_config(run_dir: Path, stage: str, cfg: Any) -> None:
             "overwrite=true: replacing %s output in %s made with another config (%s)", stage, run_dir, ", ".join(diff)
         )
         return
-    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(diff.items())[:8])
+    shown = "; ".join(f"{k}: {shown_value(a)} -> {shown_value(b)}" for k, (a, b) in list(diff.items())[:8])
     raise ConfigError(
         f"{run_dir} holds {stage} output made with another config ({shown}). Add overwrite=true to replace it, "
         f"or write elsewhere (another run_name or hydra.run.dir)."

@@ -18,7 +18,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from data.config import ConfigError, changed_keys, flat_config, is_safe_change
+from data.config import ConfigError, changed_keys, flat_config, is_safe_change, shown_value
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def compare_resume_config(
         diff = {k: v for k, v in diff.items() if k not in added}
     unsafe = {k: v for k, v in diff.items() if not is_safe_change(k)}
     if unsafe:
-        shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(unsafe.items())[:10])
+        shown = "; ".join(f"{k}: {shown_value(a)} -> {shown_value(b)}" for k, (a, b) in list(unsafe.items())[:10])
         raise ConfigError(
             f"resume=true with a changed config: {shown}. The run in {where.parent.parent} was made with the old "
             f"values; resuming with these would train a different run. Resume with the old values, or start a new "

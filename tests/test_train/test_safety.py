@@ -315,6 +315,8 @@ def test_eval_refuses_to_replace_results_of_another_config(tmp_path: Path, run_e
     check_same_config(out, "eval", compose([*args, "eval.max_new_tokens=32", "overwrite=true"]))  # told to: fine
     with pytest.raises(ConfigError, match=r"eval\.k"):
         check_same_config(out, "eval", compose([*args, "eval.max_new_tokens=16", "eval.k=2"]))
+    with pytest.raises(ConfigError, match=r"eval\.mode: 'both' -> 'decode'"):  # choices as typed, not enum reprs
+        check_same_config(out, "eval", compose([*args, "eval.max_new_tokens=16", "eval.mode=decode"]))
 
 
 # -- 8, 9. user errors: exit 2, one line, before the target loads ---------------------------------------------------
