@@ -21,6 +21,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 
 import importlib.resources
 import logging
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -325,7 +326,23 @@ def main(dcfg: DictConfig) -> Any:
             raise
         logger.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
+        remove_scaffold(Path(HydraConfig.get().runtime.output_dir))
         sys.exit(2)
+
+
+SCAFFOLD = {".hydra", "__main__.log"}
+"""What Hydra writes into a run directory before the stage starts."""
+
+
+def remove_scaffold(run_dir: Path) -> None:
+    """Remove a run directory that holds nothing but Hydra's scaffold (a command that failed before writing
+    anything leaves no empty run behind); a directory with any output of a stage is kept whole."""
+    try:
+        if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - SCAFFOLD:
+            return
+        shutil.rmtree(run_dir)
+    except OSError:
+        pass  # tidying only
 
 
 def cli() -> None:

@@ -349,6 +349,7 @@ def test_user_errors_exit_2_without_traceback(
 ) -> None:
     res = _run([*args, f"hydra.run.dir={tmp_path / 'out'}", "wandb.mode=disabled"], run_env, timeout=120)
     _user_error(res, needle)
+    assert not (tmp_path / "out").exists()  # a command that wrote nothing leaves no empty run directory behind
 
 
 def test_debug_flag_shows_the_traceback(tmp_path: Path, run_env: dict[str, str]) -> None:
