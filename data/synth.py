@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from data.config import ConfigError, DataConfig, RunConfig, SynthConfig, SynthEngine
+from data.config import ConfigError, DataConfig, RunConfig, SynthConfig, SynthEngine, flat_config, shown_value
 from data.generate import continuous_generate
 from data.manifest import read_manifest, write_manifest
 from data.render import conversation_ids_and_mask, prompt_ids
@@ -495,6 +495,13 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def plan_hash(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> str:
     """Everything that determines the dataset's content (not how it is split across shards)."""
+    inputs = plan_inputs(cfg, fingerprint, ids)
+    blob = json.dumps(inputs, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def plan_inputs(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> dict[str, Any]:
+    """What :func:`plan_hash` hashes; ``plan.json`` keeps it (the ids as a digest) to name what changed."""
     synth = asdict(cfg.synth)
     for k in ("num_shards", "shard_index", "batch_size"):
         synth.pop(k)
@@ -510,10 +517,24 @@ def plan_hash(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> s
     for src in data["sources"].values():
         if src.get("regenerate") is None:
             src.pop("regenerate", None)  # unset: hashes as before the setting existed
-    blob = json.dumps(
-        {"data": data, "synth": synth, "target": fingerprint, "ids": ids, "seed": cfg.seed}, sort_keys=True
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return {"data": data, "synth": synth, "target": fingerprint, "ids": ids, "seed": cfg.seed}
+
+
+def _stored_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    ids = json.dumps(inputs["ids"]).encode()
+    return {**inputs, "ids": f"{len(inputs['ids'])} conversations, sha256 {hashlib.sha256(ids).hexdigest()[:16]}"}
+
+
+def _plan_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The keys whose values differ between two stored plan inputs, as ``key: old -> new``."""
+    a, b = flat_config(old.get("inputs") or {}), flat_config(new["inputs"])
+    names = {"target": "target (fingerprint)", "ids": "the selected conversations"}
+    diff = [
+        f"{names.get(k, k)}: {shown_value(a.get(k, '<unset>'))} -> {shown_value(b.get(k, '<unset>'))}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, "<unset>") != b.get(k, "<unset>")
+    ]
+    return "; ".join(diff[:8]) + ("; ..." if len(diff) > 8 else "")
 
 
 def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
@@ -523,9 +544,10 @@ def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> No
         if old.get("hash") == plan["hash"]:
             return
         if not overwrite:
+            changes = _plan_changes(old, plan) if old.get("inputs") else f"plan {old.get('hash')} vs {plan['hash']}"
             raise ConfigError(
-                f"{out} holds synth output made with a different config (plan {old.get('hash')} vs "
-                f"{plan['hash']}). Use another run_name (or synth_dir), or overwrite=true to replace it."
+                f"{out} holds synth output made with a different config ({changes}). Use another run_name (or "
+                f"synth_dir), or overwrite=true to replace it."
             )
         logger.warning("overwrite=true: removing synth output of another config in %s", out)
         shutil.rmtree(out / "data", ignore_errors=True)
@@ -574,6 +596,7 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     chunks = [sel.train[i : i + cfg.synth.chunk_size] for i in range(0, len(sel.train), cfg.synth.chunk_size)]
     plan = {
         "hash": plan_hash(cfg, target.fingerprint, ids),
+        "inputs": _stored_inputs(plan_inputs(cfg, target.fingerprint, ids)),
         "num_chunks": len(chunks),
         "num_conversations": len(sel.train),
         "target_fingerprint": target.fingerprint,
