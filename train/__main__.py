@@ -75,6 +75,32 @@ def _stage_train(cfg: Config, run_dir: Path) -> Any:
         return run_train(cfg, run_dir)
 
 
+def check_drafter_fits(directory: str, cfg: Config, key: str) -> None:
+    """Refuse, from the two config.json files and before the target's weights load, a drafter made for another
+    target: every family shares the target's vocabulary, and the feature heads read its hidden size."""
+    import json
+
+    from data.target import resolve_target_path
+
+    target_dir = Path(resolve_target_path(cfg.target))
+    if not (target_dir / "config.json").is_file():  # a hub id: checked once it loads
+        return
+    tconf = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
+    tconf = tconf.get("text_config") or tconf
+    meta = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    family = (meta.get("draftsmith") or {}).get("drafter", {}).get("name")
+    dconf = meta.get("text_config") or meta
+    checks = [("vocab_size", "vocabulary")] + ([("hidden_size", "hidden size")] if family != "standalone" else [])
+    for k, what in checks:
+        d, t = dconf.get(k), tconf.get(k)
+        if d is not None and t is not None and int(d) != int(t):
+            raise ConfigError(
+                f"the drafter in {directory} was made for another target: its {what} is {d}, target "
+                f"{cfg.target.path or cfg.target.name}'s is {t}. Point {key} at a drafter trained for this target, or "
+                f"set target.path to the target it was trained for"
+            )
+
+
 def _stage_eval(cfg: Config, run_dir: Path) -> Any:
     from eval.run import run_eval
 
@@ -82,6 +108,7 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
         check_same_config(run_dir, "eval", cfg)  # never replace results made with another config silently
         if "drafter" in cfg.eval.proposers:  # a missing or corrupt drafter fails before the target loads
             check_drafter_dir(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", "eval.drafter_dir")
+            check_drafter_fits(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", cfg, "eval.drafter_dir")
         if cfg.eval.prompts == "synth":  # so does a missing, truncated or empty held-out split
             from data.split import check_heldout_file
 
@@ -102,6 +129,7 @@ def _stage_export(cfg: Config, run_dir: Path) -> Any:
     with run_lock(run_dir, "export"):
         if cfg.export.format is not None:  # without a format the stage lists the valid pairs
             check_drafter_dir(cfg.export.drafter_dir or f"{cfg.train_dir}/best", "export.drafter_dir")
+            check_drafter_fits(cfg.export.drafter_dir or f"{cfg.train_dir}/best", cfg, "export.drafter_dir")
         return run_export(cfg, run_dir)
 
 

@@ -65,3 +65,12 @@ def test_time_and_tokens_accumulate_across_resumes_and_reruns(tmp_path: Path, ru
 
     run = {"train": {"seconds": kept["seconds"], "segments": kept["segments"], "world_size": 1}}
     assert abs(budget_hours(run) * 3600 - sum(s["seconds"] for s in kept["segments"])) < 0.05
+
+    # the tiny target's head judged against the embedded target: refused from the config files, before it loads
+    cmd = [sys.executable, "-m", "train", "stage=eval", f"eval.drafter_dir={train / 'best'}", f"synth_dir={synth}"]
+    res = subprocess.run(
+        [*cmd, f"hydra.run.dir={tmp_path / 'ev'}"], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "was made for another target: its hidden size is 128, target smollm2-135m's is 576" in res.stderr
+    assert "Target smollm2-135m loaded" not in res.stdout + res.stderr
