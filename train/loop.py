@@ -412,7 +412,9 @@ class Trainer:
             if existing and not self.cfg.overwrite:
                 raise ConfigError(
                     f"{self.run_dir} already holds checkpoints ({existing[-1].name}): add resume=true to "
-                    f"continue that run, overwrite=true to start again, or use another run_name."
+                    f"continue that run (same drafter and settings), overwrite=true to start again, or train a new "
+                    f"run: run_name=<new> synth_dir={self.cfg.synth_dir} (the same data) train.features=online (or "
+                    f"stage=features for the new run first)."
                 )
             if existing and self.acc.is_main_process:
                 shutil.rmtree(self.ckpt_root, ignore_errors=True)
