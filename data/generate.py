@@ -113,8 +113,10 @@ def model_forward(
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if attention_mask is not None:
-        past = cache_seq_len(cache) if cache is not None else 0
-        kwargs["attention_mask"] = layer_masks(model, attention_mask, position_ids, past)
+        if attention_mask.dim() == 4:  # a custom (tree) mask: the sliding windows are cut into it
+            past = cache_seq_len(cache) if cache is not None else 0
+            attention_mask = layer_masks(model, attention_mask, position_ids, past)
+        kwargs["attention_mask"] = attention_mask
     if output_hidden_states:
         kwargs["output_hidden_states"] = True
     return model(input_ids=input_ids, **kwargs)

@@ -99,6 +99,16 @@ SMALL_SYNTH = [
 ]
 """A small synth run (12 real conversations, 2 held out per source) shared by the train and eval tests."""
 
+TINY_SYNTH = [
+    "experiment=quickstart",
+    "data.num_prompts=8",
+    "data.max_heldout=2",
+    "data.max_turns=1",
+    "synth.max_new_tokens=12",
+    "data.max_prompt_tokens=200",
+]
+"""A smaller synth run for the tests on a tiny random target (``data.tiny_target``): seconds per stage."""
+
 
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -27,6 +27,7 @@ import torch
 from data.config import TargetConfig, TargetError
 from data.tiny_target import ARCHITECTURES, make_tiny_target
 from tests.conftest import REPO
+from tests.test_export.test_vllm_parity import E3_TRAIN  # a head that learns its rows: every position is compared
 
 ARCHS = list(ARCHITECTURES)
 SLIDING = ("mistral", "gemma2", "gemma3", "gpt_oss")
@@ -350,27 +351,12 @@ def test_vllm_serves_the_eagle3_export(tiny_root: Path, tmp_path: Path, run_env:
     training rows first, so drafts are accepted; the prompts are those rows'). The other architectures vLLM serves
     EAGLE-3 for were checked the same way by hand (docs/architectures.md); the suite keeps its time for these two."""
     path = make_tiny_target(arch, tiny_root / arch)
-    base = [*SMALL[:7], "target=hf", f"target.path={path}", "drafter=eagle3", "drafter.draft_vocab_size=1024"]
+    base = [*SMALL[:7], "target=hf", f"target.path={path}", "drafter.draft_vocab_size=1024"]
     synth, feats, train = tmp_path / "synth", tmp_path / "features", tmp_path / "train"
     for args in (
         ["stage=synth", f"hydra.run.dir={synth}"],
-        ["stage=features", f"synth_dir={synth}", f"hydra.run.dir={feats}"],
-        [
-            "stage=train",
-            f"synth_dir={synth}",
-            "train.features=precomputed",
-            f"train.features_dir={feats}",
-            "train.max_steps=120",
-            "drafter.loss_on_prompt=false",
-            "train.micro_batch_size=4",
-            "train.lr=3e-3",
-            "drafter.feature_noise=0",
-            "train.warmup_steps=2",
-            "train.save_every=120",
-            "train.eval_prompts=1",
-            "train.eval_max_new_tokens=8",
-            f"hydra.run.dir={train}",
-        ],
+        ["stage=features", "drafter=eagle3", f"synth_dir={synth}", f"hydra.run.dir={feats}"],
+        [*E3_TRAIN, f"synth_dir={synth}", f"train.features_dir={feats}", f"hydra.run.dir={train}"],
     ):
         res = _cli([*args, *base], run_env)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -11,17 +11,7 @@ import sys
 from pathlib import Path
 
 from data.tiny_target import make_tiny_target
-from tests.conftest import REPO
-
-SMALL = [
-    "experiment=quickstart",
-    "data.num_prompts=8",
-    "data.max_heldout=2",
-    "data.max_turns=1",
-    "synth.max_new_tokens=12",
-    "synth.chunk_size=4",
-    "data.max_prompt_tokens=200",
-]
+from tests.conftest import REPO, TINY_SYNTH
 
 
 def _run(args: list[str], env: dict[str, str]) -> None:
@@ -33,7 +23,14 @@ def _run(args: list[str], env: dict[str, str]) -> None:
 
 def test_time_and_tokens_accumulate_across_resumes_and_reruns(tmp_path: Path, run_env: dict[str, str]) -> None:
     path = make_tiny_target("llama", tmp_path / "tiny-llama")
-    base = [*SMALL, "target=hf", f"target.path={path}", "drafter=eagle3", "drafter.draft_vocab_size=512"]
+    base = [
+        *TINY_SYNTH,
+        "synth.chunk_size=4",
+        "target=hf",
+        f"target.path={path}",
+        "drafter=eagle3",
+        "drafter.draft_vocab_size=512",
+    ]
     synth = tmp_path / "synth"
     _run(["stage=synth", *base, f"hydra.run.dir={synth}"], run_env)
     first = json.loads((synth / "manifest.json").read_text())["timings"]

@@ -13,21 +13,12 @@ import sys
 from pathlib import Path
 
 from data.tiny_target import make_tiny_target
-from tests.conftest import REPO
-
-SMALL = [
-    "experiment=quickstart",
-    "data.num_prompts=8",
-    "data.max_heldout=2",
-    "data.max_turns=1",
-    "synth.max_new_tokens=12",
-    "data.max_prompt_tokens=200",
-]
+from tests.conftest import REPO, TINY_SYNTH
 
 
 def test_local_training_sweep_runs_every_job(tmp_path: Path, run_env: dict[str, str]) -> None:
     path = make_tiny_target("llama", tmp_path / "tiny-llama")
-    base = [*SMALL, "target=hf", f"target.path={path}", "drafter=eagle3", "drafter.draft_vocab_size=512"]
+    base = [*TINY_SYNTH, "target=hf", f"target.path={path}", "drafter=eagle3", "drafter.draft_vocab_size=512"]
     synth = tmp_path / "synth"
     res = subprocess.run(
         [sys.executable, "-m", "train", "stage=synth", *base, f"hydra.run.dir={synth}"],
