@@ -122,10 +122,16 @@ def model_forward(
     return model(input_ids=input_ids, **kwargs)
 
 
+def text_config(config: Any) -> Any:
+    """The language-model part of a model's config (multimodal configs nest it as ``text_config``)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def sliding_window(model: torch.nn.Module) -> int | None:
     """The attention window of ``model``'s sliding-window layers (Mistral, Gemma 2/3, GPT-OSS, Qwen2 with it on,
     ...), or None when every layer attends to the whole context."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
@@ -157,8 +163,7 @@ def layer_masks(
     near = (k[:, None, :] > q[:, :, None] - window)[:, None]  # [B, 1, n, S]
     # boolean (True = attend) or additive (0 / the dtype's minimum)
     windowed = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, torch.finfo(mask.dtype).min)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(cfg, "layer_types", None) is None:
+    if getattr(text_config(model.config), "layer_types", None) is None:
         return windowed
     return {"full_attention": mask, "sliding_attention": windowed}
 

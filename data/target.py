@@ -22,7 +22,7 @@ import torch
 
 from data.atomic import atomic_dir
 from data.config import ConfigError, TargetConfig, TargetError, resolve_path
-from data.generate import model_forward, new_cache, sliding_window
+from data.generate import model_forward, new_cache, sliding_window, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class TargetLMHead(torch.nn.Module):
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.proj = model.get_output_embeddings()
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = text_config(model.config)
         scale = 1.0
         if getattr(cfg, "logits_scaling", None):  # Granite divides
             scale /= float(cfg.logits_scaling)
@@ -267,7 +267,7 @@ def check_architecture(model: Any, name: str) -> None:
     plus the embeddings, whose last entry gives the model's logits through :class:`TargetLMHead`; and a forward
     on a cache with a custom 4D mask (how tree drafts are verified) that gives the logits of a plain forward."""
     arch = type(model).__name__
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     if getattr(model.config, "is_encoder_decoder", False):
         raise TargetError(f"target {name}: {arch} is an encoder-decoder model; drafters need a decoder-only causal LM")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if not getattr(cfg, k, None)]

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
+from data.generate import text_config
 from eval.shared_past import SharedPast, shared_attention
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -39,12 +40,6 @@ ROPE_KEYS = (
 )
 """The RoPE parameters a draft layer takes over from its target (not ``partial_rotary_factor``: the draft layer
 rotates every dimension of its heads, as a Llama layer and the engines' EAGLE draft layers do)."""
-
-
-def text_config(config: Any) -> Any:
-    """The language-model part of a target's config (multimodal configs nest it as ``text_config``)."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def _rope_parameters(tcfg: Any) -> dict[str, Any]:
