@@ -25,6 +25,7 @@ HEAVY_FIRST = (
     "test_data/test_synth_vllm.py",
     "test_train/test_safety.py",
     "test_train/test_medusa.py",
+    "test_train/test_deepspeed.py",
     "test_train/test_eagle3.py",
     "test_train/test_bench_gpu.py",
     "test_train/test_optim.py",

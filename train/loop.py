@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -253,10 +254,20 @@ class Trainer:
             )
         _ensure_dist_env()
         plugin = None
-        if cfg.deepspeed.enabled:
+        ds = cfg.deepspeed.enabled
+        if ds:
+            try:
+                import deepspeed  # noqa: F401  (its CPU accelerator is picked when no GPU is visible)
+            except ImportError as exc:
+                raise ConfigError(
+                    f"deepspeed.enabled (ZeRO-{cfg.deepspeed.zero_stage}) needs the deepspeed package ({exc}): "
+                    f"pip install deepspeed, or train without it: deepspeed=none"
+                ) from exc
             plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_dict(cfg.deepspeed, cfg.train, self.bf16))
+        # accelerate builds a DeepSpeed engine only when it is not told cpu=True: a DeepSpeed run on a CPU machine
+        # leaves cpu unset, and DeepSpeed's CPU accelerator takes the processes (gloo between them).
         self.acc = Accelerator(
-            cpu=not cuda,
+            cpu=not cuda and not ds,
             deepspeed_plugin=plugin,
             gradient_accumulation_steps=cfg.train.grad_accum,
             mixed_precision="bf16" if self.bf16 else "no",
@@ -264,15 +275,23 @@ class Trainer:
         )
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self._rng_devices = [self.acc.device] if self.acc.device.type == "cuda" else []
-        # accelerate builds a DeepSpeed engine only off the CPU (AcceleratorState: ACCELERATE_USE_DEEPSPEED and not
-        # cpu). On a CPU the drafter trains with plain accelerate (DDP across processes): say so, and clip here.
         self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED
-        self.engine = f"DeepSpeed ZeRO-{cfg.deepspeed.zero_stage}" if self.deepspeed else "accelerate (no DeepSpeed)"
-        if cfg.deepspeed.enabled and not self.deepspeed and self.acc.is_main_process:
-            logger.warning(
-                "deepspeed.enabled, but accelerate runs DeepSpeed only on GPUs: this CPU run trains with plain "
-                "accelerate (DDP across processes); deepspeed.* does not apply, train.max_grad_norm is applied here"
+        if ds and not self.deepspeed:
+            raise ConfigError(
+                f"deepspeed.enabled, but accelerate built no DeepSpeed engine ({self.acc.distributed_type}): "
+                f"train without it (deepspeed=none) or check the DeepSpeed install (ds_report)"
             )
+        self.engine = f"DeepSpeed ZeRO-{cfg.deepspeed.zero_stage}" if self.deepspeed else "accelerate (no DeepSpeed)"
+        if self.deepspeed:
+            # accelerate tells transformers which DeepSpeed config is on; under ZeRO-3 every from_pretrained or
+            # from_config would then build its weights already partitioned (the target would hold no weights on
+            # any process) and generate() would wait for the other processes. The target and the drafter copies
+            # used for saving and checks stay whole; the engine partitions the drafter when it is prepared (each
+            # process briefly holds the whole drafter, as under DDP). Forgetting the config is what transformers
+            # offers for this (unset_hf_deepspeed_config); accelerate itself reads its own plugin, not this.
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
         if not self.acc.is_main_process:
             logging.getLogger().setLevel(logging.WARNING)
 
@@ -336,6 +355,11 @@ class Trainer:
         logger.info("optimizer: %s", opt_line)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.train))
         self.model, self.opt = self.acc.prepare(model, opt)
+        if self.deepspeed:  # what was built, by class: the manifest says which engine trained the drafter
+            inner = getattr(self.opt, "optimizer", self.opt)
+            self.engine = (
+                f"DeepSpeed ZeRO-{self.cfg.deepspeed.zero_stage}: {type(self.model).__name__} + {type(inner).__name__}"
+            )
         self.acc.register_for_checkpointing(self.scheduler)
         self.ema: WeightAverage | None = None
         if cfg.train.ema_decay > 0:
@@ -505,7 +529,7 @@ class Trainer:
                 torch.manual_seed(self.cfg.seed * 1_000_003 + gi)
                 # the whole loss under autocast (bf16 runs), not only the wrapped module's forward: the heads' own
                 # logits (EAGLE-3's draft LM head is called outside forward) are most of a step's arithmetic
-                with self.acc.autocast():
+                with self._autocast():
                     loss, metrics = self.spec.loss(self.model, batch, feats, self.cfg.drafter)
                 self.acc.backward(loss)
                 if self.acc.sync_gradients and not self.deepspeed and cfg.max_grad_norm > 0:
@@ -529,11 +553,19 @@ class Trainer:
         self.stop_now = vec[-1].item() > 0
         return out
 
+    def _autocast(self) -> Any:
+        """bf16 autocast for bf16 runs. Under DeepSpeed accelerate leaves precision to the engine, which holds the
+        drafter in bf16 (fp32 master weights in the optimizer) but does not cast its inputs: the target's features
+        (float32 on a CPU) meet bf16 weights, so the autocast is entered here as well."""
+        if self.deepspeed and self.bf16:
+            return torch.autocast(device_type=self.acc.device.type, dtype=torch.bfloat16)
+        return self.acc.autocast()
+
     # -- checkpoints and held-out checks -----------------------------------------------------------
 
     def _drafter_copy(self) -> torch.nn.Module:
         """A plain (unwrapped, gathered under ZeRO-3) copy of the drafter for saving and decoding."""
-        state = self.acc.get_state_dict(self.model)
+        state = self._full_state() if self.deepspeed else self.acc.get_state_dict(self.model)
         if self.ema is not None:  # the averaged weights are what is saved, checked and published
             state = {**state, **self.ema.shadow}
         copy = self.spec.build(self.cfg.drafter, self.target.model)
@@ -543,6 +575,25 @@ class Trainer:
             )
         # on the target's device: the held-out check feeds it the target's hidden states (spec.build builds on the CPU)
         return copy.to(device=self.target.device, dtype=self.target.model.dtype).eval()
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The drafter's whole state under DeepSpeed, on every process (a collective under ZeRO-3): trained weights
+        from the optimizer's float32 master copy (the module itself holds bf16 copies in bf16 runs, and only a
+        shard under ZeRO-3), frozen weights and buffers gathered from the module."""
+        from deepspeed import zero
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.acc.unwrap_model(self.model)
+        state: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            full = safe_get_full_fp32_param(p) if p.requires_grad else None
+            if full is None:  # no optimizer state (frozen): the module's own copy, gathered under ZeRO-3
+                with zero.GatheredParameters([p], modifier_rank=None, enabled=hasattr(p, "ds_id")):
+                    full = p.detach().clone()
+            state[name] = full.detach().cpu().clone()
+        for name, b in module.named_buffers():
+            state[name] = b.detach().cpu().clone()
+        return state
 
     def _eval_tau(self, drafter: torch.nn.Module) -> dict[str, Any]:
         """Held-out tau of the drafter's configured decode (chain or tree) on a fixed held-out sample.
@@ -712,6 +763,10 @@ class Trainer:
         done = self.step >= cfg.max_steps
         self._finish_checkpoints(done)
         total = self._accounting_now(elapsed)
+        # every process's peak resident memory (the target, the drafter, its optimizer state, buffers): what ZeRO-3
+        # saves per process shows here (a collective: every process reaches this line)
+        rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+        peak_rss = [round(float(v), 1) for v in self.acc.gather(rss.to(self.acc.device)).cpu()]
         result = {
             "steps": self.step,
             "steps_this_process": self.step - start_step,
@@ -723,6 +778,7 @@ class Trainer:
             "world_size": self.world,
             "engine": self.engine,
             "precision": "bf16" if self.bf16 else "fp32",
+            "peak_rss_mb_per_process": peak_rss,
             # over every segment of the run (a resumed run counts the time before its resume too)
             "train_tokens_per_second": round(total["seq_tokens"] / max(total["seconds"], 1e-9), 2),
             "supervised_tokens_per_second": round(total["sup_tokens"] / max(total["seconds"], 1e-9), 2),

@@ -1,6 +1,6 @@
 """Cluster operation against a real SLURM (scripts/slurm_local.sh): a synth job array + merge, a 2-task CPU
-training job (DDP over gloo: accelerate builds DeepSpeed engines on GPUs only), preemption (SIGUSR2 ->
-checkpoint -> requeue -> resume=true -> same losses), a Hydra
+training job under a DeepSpeed ZeRO-2 engine (gloo between the tasks), preemption of that job (SIGUSR2 ->
+checkpoint -> requeue -> resume=true from DeepSpeed's files -> same losses), a Hydra
 multirun sweep through hydra-submitit-launcher, and stage=compare on the resulting runs.
 
 Skipped when ``sbatch`` is absent, unless DRAFTSMITH_REQUIRE_SLURM=1 (then they fail). No mocks: every job is
@@ -44,7 +44,7 @@ TRAIN = [
     "train.log_every=1",
     "wandb.mode=offline",
 ]
-CPU2 = ["slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.time=00:15:00"]
+CPU2 = ["slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "slurm.time=00:15:00", "deepspeed=zero2"]
 
 
 def _env() -> dict[str, str]:
@@ -179,7 +179,8 @@ def test_two_task_cpu_deepspeed_training_job(array_synth: tuple[Path, dict[str, 
     run = root / "ref" / "train"
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["result"]["world_size"] == 2 and manifest["result"]["finished"]
-    assert manifest["config"]["deepspeed"]["enabled"] and len(_losses(run)) == 6
+    assert manifest["result"]["engine"] == "DeepSpeed ZeRO-2: DeepSpeedEngine + DeepSpeedZeroOptimizer"
+    assert len(_losses(run)) == 6 and len(list((run / "checkpoints").rglob("*optim_states.pt"))) == 2
     assert (run / "checkpoints" / "step-000006" / "drafter" / "model.safetensors").is_file()
     assert list((run / "wandb").glob("offline-run-*"))
 
@@ -222,6 +223,7 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(
     assert manifest["result"]["finished"] and manifest["result"]["steps_this_process"] < 6
     assert not (run / "stopped.json").exists()
     assert _losses(run) == pytest.approx(_losses(ref), rel=1e-6)
+    assert manifest["result"]["engine"].startswith("DeepSpeed ZeRO-2: DeepSpeedEngine")
 
 
 @needs_slurm

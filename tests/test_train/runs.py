@@ -4,6 +4,7 @@ run killed with SIGKILL after a checkpoint and resumed ends exactly like an unin
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +20,10 @@ from tests.conftest import REPO
 
 def run_train(args: list[str], env: dict[str, str], launcher: list[str] | None = None) -> subprocess.Popen[str]:
     cmd = [*(launcher or [sys.executable]), "-m", "train", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its own process group: a SIGKILL to the group takes a launcher's workers with it, as a node failure would
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def ok(proc: subprocess.Popen[str], timeout: int = 900) -> str:
@@ -33,23 +37,30 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def assert_kill_resume_exact(
-    base: list[str], reference: Path, killed: Path, env: dict[str, str], last_step: int, kill_after: int = 2
+    base: list[str],
+    reference: Path,
+    killed: Path,
+    env: dict[str, str],
+    last_step: int,
+    kill_after: int = 2,
+    launcher: list[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Start ``base`` into ``killed``, SIGKILL it once the step-``kill_after`` checkpoint is complete, check a plain
     rerun is refused, resume with ``resume=true``, and compare losses and the step-``last_step`` drafter weights
-    with the uninterrupted run in ``reference``. Returns both weight dicts for family-specific checks."""
-    proc = run_train([*base, f"hydra.run.dir={killed}"], env)
+    with the uninterrupted run in ``reference``. Returns both weight dicts for family-specific checks.
+    ``launcher``: how the processes start (torchrun for several; SIGKILL goes to it, which takes its workers)."""
+    proc = run_train([*base, f"hydra.run.dir={killed}"], env, launcher)
     ckpt = killed / "checkpoints" / f"step-{kill_after:06d}" / "trainer_state.json"
     deadline = time.time() + 600
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert ckpt.exists() and not (killed / "manifest.json").exists()
-    refused = run_train([*base, f"hydra.run.dir={killed}"], env)
+    refused = run_train([*base, f"hydra.run.dir={killed}"], env, launcher)
     out, _ = refused.communicate(timeout=600)
     assert refused.returncode != 0 and "resume=true" in out  # never silently overwrites a run
-    out = ok(run_train([*base, f"hydra.run.dir={killed}", "resume=true"], env))
+    out = ok(run_train([*base, f"hydra.run.dir={killed}", "resume=true"], env, launcher))
     assert "resumed from" in out
     assert losses(killed) == pytest.approx(losses(reference), rel=1e-6)
     name = f"step-{last_step:06d}"

@@ -1,5 +1,5 @@
-"""Stage train with the EAGLE head on the real target: loss falls, 2 processes == 1 process (deepspeed=zero2 in the
-config; on a CPU accelerate trains with DDP, see test_gradient_clipping_applies_on_cpu),
+"""Stage train with the EAGLE head on the real target: loss falls, 2 processes == 1 process (plain accelerate, DDP
+across processes: the default deepspeed=none; DeepSpeed engines are tests/test_train/test_deepspeed.py's),
 kill-and-resume == uninterrupted, and the EAGLE proposer is lossless (chain and tree)."""
 
 from __future__ import annotations
@@ -144,14 +144,14 @@ def test_precomputed_features_train_like_online(synth_dir: Path, tmp_path: Path,
 
 
 def test_gradient_clipping_applies_on_cpu(synth_dir: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
-    """accelerate builds no DeepSpeed engine on a CPU: the run says so (log and manifest) and clips the gradients
-    itself, so train.max_grad_norm changes the training (it was silently ignored before)."""
+    """Without DeepSpeed (the default deepspeed=none) the run says so (log and manifest) and the loop clips the
+    gradients itself, so train.max_grad_norm changes the training (CPU runs once ignored it)."""
     base = [*EAGLE1, "stage=train", f"synth_dir={synth_dir}", *TRAIN, "train.max_steps=3", "train.lr=1e-2"]
     runs = {}
     for name, clip in (("off", "0"), ("tiny", "1e-6")):
         runs[name] = tmp_path / name
         out = _ok(_run([*base, f"train.max_grad_norm={clip}", f"hydra.run.dir={runs[name]}"], run_env))
-        assert "accelerate (no DeepSpeed)" in out and "deepspeed.* does not apply" in out
+        assert "accelerate (no DeepSpeed)" in out
         assert json.loads((runs[name] / "manifest.json").read_text())["result"]["engine"] == "accelerate (no DeepSpeed)"
     off, tiny = _losses(runs["off"]), _losses(runs["tiny"])
     assert off[0] == pytest.approx(tiny[0], rel=1e-6)  # the same start ...
