@@ -767,6 +767,10 @@ class Trainer:
         # saves per process shows here (a collective: every process reaches this line)
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
         peak_rss = [round(float(v), 1) for v in self.acc.gather(rss.to(self.acc.device)).cpu()]
+        peak_gpu = None
+        if self.acc.device.type == "cuda":
+            mb = torch.tensor([torch.cuda.max_memory_allocated(self.acc.device) / 2**20], dtype=torch.float64)
+            peak_gpu = [round(float(v), 1) for v in self.acc.gather(mb.to(self.acc.device)).cpu()]
         result = {
             "steps": self.step,
             "steps_this_process": self.step - start_step,
@@ -779,6 +783,7 @@ class Trainer:
             "engine": self.engine,
             "precision": "bf16" if self.bf16 else "fp32",
             "peak_rss_mb_per_process": peak_rss,
+            "peak_gpu_mb_per_process": peak_gpu,
             # over every segment of the run (a resumed run counts the time before its resume too)
             "train_tokens_per_second": round(total["seq_tokens"] / max(total["seconds"], 1e-9), 2),
             "supervised_tokens_per_second": round(total["sup_tokens"] / max(total["seconds"], 1e-9), 2),

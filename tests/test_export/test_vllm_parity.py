@@ -178,7 +178,8 @@ def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, 
     assert rows[("drafter_k2", 1)]["mean_acceptance_length"] >= 1.0
     assert "| 2 | drafter_k2 |" in (serve / "serve.md").read_text()
     for c in ("1", "2"):  # the cost model's K from vLLM's own counters (per-position ones included)
-        assert report["cost_model"][c]["recommended_k"] in (0, 1, 2) and set(
-            report["cost_model"][c]["predicted_vs_plain"]
-        ) == {"1", "2"}
+        pred = report["cost_model"][c]["predicted_vs_plain"]
+        assert set(pred) == {"1", "2"}
+        best = max(pred, key=lambda k: pred[k])  # the K of the highest predicted ratio, or plain below 1.0x
+        assert report["cost_model"][c]["recommended_k"] == (int(best) if pred[best] > 1.0 else 0)
     assert "Cost model, c=1" in (serve / "serve.md").read_text()
