@@ -157,9 +157,14 @@ def drafter_proposer(target: Any, drafter_dir: Path, k: int) -> Any:
 
 def engine_format(family: str) -> tuple[str, str | None]:
     """(export format, speculative_config method) vLLM serves a drafter family with."""
-    formats: dict[str, tuple[str, str | None]] = {"eagle3": ("speculators", "eagle3"), "standalone": ("hf", None)}
+    formats: dict[str, tuple[str, str | None]] = {
+        "eagle3": ("speculators", "eagle3"),
+        "standalone": ("hf", None),
+        "eagle": ("vllm_eagle", "eagle"),
+        "medusa": ("vllm_medusa", "medusa"),
+    }
     if family not in formats:
-        raise SystemExit(f"vLLM parity covers eagle3 (speculators) and standalone (hf) drafters, not {family!r}")
+        raise SystemExit(f"vLLM parity covers {', '.join(formats)} drafters, not {family!r}")
     return formats[family]
 
 

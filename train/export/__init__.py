@@ -105,10 +105,11 @@ def export_drafter(src: Source, fmt: Format, out_dir: Path, verify: bool = True)
             imported = fmt.load(tmp, src.target).to(src.target.device)
             diff = max_abs_diff(fmt.probe(src.module, src.target), fmt.probe(imported, src.target))
             result["round_trip_max_abs_logit_diff"] = diff
-            if not diff <= ROUND_TRIP_ATOL:
+            atol = ROUND_TRIP_ATOL if fmt.round_trip_atol is None else fmt.round_trip_atol
+            if not diff <= atol:
                 raise ExportError(
                     f"refusing to write {where}: the re-imported drafter's draft logits differ from the trained "
-                    f"drafter's by {diff:.3g} (> {ROUND_TRIP_ATOL})"
+                    f"drafter's by {diff:.3g} (> {atol})"
                 )
         result["files"] = sorted(p.name for p in tmp.iterdir())
     return result

@@ -153,6 +153,9 @@ class Format:
     """``tensors(src) -> {file name: {tensor name: tensor}}``; default: the module's state through :attr:`keys`."""
     check: Callable[[Source, dict[str, torch.Tensor], str], None] | None = None
     """``check(src, weights, where)``: refusals beyond names and shapes, before anything is written."""
+    round_trip_atol: float | None = None
+    """The round-trip check's bound on |logit difference| for a format that rewrites weights (None: the default
+    bound for the same bits, ``train.export.ROUND_TRIP_ATOL``)."""
 
     def __post_init__(self) -> None:
         if self.tensors is None:

@@ -1,10 +1,19 @@
-"""EAGLE-1/2 heads: the EAGLE repository's layout (``eagle``) and SGLang's ``LlamaForCausalLMEagle`` (``sglang_eagle``).
+"""EAGLE-1/2 heads: the EAGLE repository's layout (``eagle``), SGLang's ``LlamaForCausalLMEagle`` (``sglang_eagle``)
+and vLLM's ``EagleLlamaForCausalLM`` (``vllm_eagle``).
 
 Both hold the same weights (SafeAILab/EAGLE ``eagle/model/cnets1.py``): ``fc.weight`` [H, 2H], ``fc.bias``
 [H], ``layers.{l}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{l}.mlp.{gate,up,down}_proj.weight``,
 ``layers.{l}.post_attention_layernorm.weight`` (layer 0 has no ``input_layernorm``; later layers do) and
 ``embed_tokens.weight`` [V, H]; the LM head is the target's. ``config.json`` is a plain LlamaConfig with
 ``num_hidden_layers`` = the head's layers; only ``architectures`` differs between the two formats.
+
+vLLM (``vllm/model_executor/models/llama_eagle.py``, checked at vLLM 0.32) builds ``fc`` without a bias and its
+weight loader drops unexpected ``.bias`` tensors without a word (its rule for GPTQ checkpoints): served from the
+``eagle`` layout, the head loses its bias and its drafts are rejected (measured: 0 of 167 drafts accepted where our
+decoder accepts 76). ``vllm_eagle`` folds the bias into the head's own token embedding instead, exactly:
+``fc([e, f]) = W_e e + W_f f + b = W_e (e + c) + W_f f`` with ``c`` solving ``W_e c = b`` (``W_e``: the square
+embedding half of ``fc.weight``, solved in float64), and writes no ``fc.bias``. vLLM keeps a draft embedding that
+differs from the target's (it shares the target's only when they are identical).
 """
 
 from __future__ import annotations
@@ -20,12 +29,14 @@ from train.drafters.layers import draft_layer_config
 from train.drafters.saving import load_state
 from train.export.core import (
     LLAMA_LAYER,
+    ExportError,
     Format,
     KeyMap,
     Shapes,
     ShapeTable,
     Source,
     clean_config,
+    contiguous,
     probe_ids,
     read_config,
     read_weights,
@@ -97,6 +108,81 @@ def probe(head: torch.nn.Module, target: Any) -> torch.Tensor:
     pred, _ = head(f[:, :-1], ids[:, 1:], pos)
     return model.get_output_embeddings()(pred)
 
+
+VLLM_HEAD: ShapeTable = {"embed_tokens.weight": ("V", "H"), "fc.weight": ("H", "2H")}
+MAX_CONDITION = 1e6
+"""The largest condition number of ``W_e`` the fold accepts: float32 keeps ~7 digits, so beyond this the folded
+embedding would carry visible rounding (a random or trained ``W_e`` of these heads is near 1e1-1e3)."""
+
+
+def vllm_required(src: Source) -> dict[str, Shapes]:
+    req = required(src)[WEIGHTS]
+    del req["fc.bias"]
+    return {WEIGHTS: req}
+
+
+def fold_fc_bias(state: dict[str, torch.Tensor], where: str = "vllm_eagle export") -> dict[str, torch.Tensor]:
+    """``state`` (EAGLE names) with ``fc.bias`` folded into ``embed_tokens.weight`` (see the module docstring)."""
+    out = dict(state)
+    bias = out.pop("fc.bias")
+    w = out["fc.weight"].double()
+    h = w.shape[0]
+    w_e = w[:, :h]  # fc's input is [embedding, feature]: the embedding half
+    cond = float(torch.linalg.cond(w_e))
+    if not cond < MAX_CONDITION:
+        raise ExportError(
+            f"refusing to write {where}: fc's embedding half is ill-conditioned (condition number {cond:.3g}), so "
+            f"its bias cannot be folded into the embedding exactly; use export.format=eagle (EAGLE's own layout, "
+            f"with the bias) or sglang_eagle"
+        )
+    c = torch.linalg.solve(w_e, bias.double())
+    emb = out["embed_tokens.weight"]
+    out["embed_tokens.weight"] = (emb.double() + c[None, :]).to(emb.dtype).contiguous()
+    return out
+
+
+def vllm_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
+    state = contiguous(KEYS.to_file(src.module.state_dict()))
+    return {WEIGHTS: fold_fc_bias(state, f"eagle -> vllm_eagle export of {src.drafter_dir}")}
+
+
+def vllm_load(directory: Path, target: Any) -> torch.nn.Module:
+    """Import a ``vllm_eagle`` head: the EAGLE layout without ``fc.bias`` (a zero bias: it lives in the embedding)."""
+    from transformers import LlamaConfig
+
+    meta = read_config(directory)
+    fields = {k: v for k, v in meta.items() if k not in ("draftsmith", "architectures", "model_type")}
+    head = EagleHead(LlamaConfig(**fields), int(meta["num_hidden_layers"]))
+    state = dict(read_weights(directory, WEIGHTS, KEYS))
+    state["fc.bias"] = torch.zeros(head.fc.out_features, dtype=state["fc.weight"].dtype)
+    load_state(head, state, f"vllm_eagle export {directory}")
+    return head.to(next(target.model.parameters()).dtype).eval()
+
+
+def _vllm_config(src: Source, out: Path) -> None:
+    _config_writer("LlamaForCausalLM", "vllm_eagle")(src, out)
+    conf = read_config(out)
+    conf["bias"] = False  # the bias is in the embedding (vLLM's fc has none)
+    atomic_write_json(out / "config.json", conf)
+
+
+register_format(
+    Format(
+        family="eagle",
+        name="vllm_eagle",
+        doc="EAGLE-1/2 head for vLLM (method eagle): fc's bias folded into the head's own embedding",
+        weights=WEIGHTS,
+        keys=KEYS,
+        required=vllm_required,
+        write_config=_vllm_config,
+        load=vllm_load,
+        probe=probe,
+        tensors=vllm_tensors,
+        # the fold rewrites every embedding row in float32 (rounding ~6e-8 relative each): measured 1.7e-5 on the
+        # logits of a trained head; a lost or misplaced bias moves them by whole units
+        round_trip_atol=1e-3,
+    )
+)
 
 FORMATS = {
     name: register_format(
