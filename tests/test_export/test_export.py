@@ -209,3 +209,58 @@ def test_medusa_round_trip(target, tmp_path: Path):
     assert "0.0.linear.weight" in keys and f"{cfg.num_heads - 1}.0.linear.bias" in keys
     conf = json.loads((tmp_path / "medusa" / "config.json").read_text())
     assert conf["medusa_num_heads"] == cfg.num_heads and conf["medusa_num_layers"] == cfg.num_layers
+
+
+def test_vllm_eagle_folds_the_bias_into_the_embedding(eagle_run: Path, target, tmp_path: Path):
+    """vllm_eagle writes no fc.bias (vLLM would drop it) and computes the same function: W_e (e + c) = W_e e + b for
+    every token's embedding e (checked in float64 on the written tensors), and the re-imported head's logits agree
+    within the format's bound. An ill-conditioned fc is refused rather than folded inexactly."""
+    from safetensors.torch import load_file
+
+    from train.export.core import ExportError
+    from train.export.eagle import fold_fc_bias
+
+    res = run_export(_cfg(eagle_run, "vllm_eagle"), tmp_path, target=target)
+    assert 0.0 < res["round_trip_max_abs_logit_diff"] <= 1e-3  # rewritten rows: not the same bits, the same function
+    out = eagle_run / "export" / "vllm_eagle"
+    assert set(_keys(out / "model.safetensors")) == EAGLE_KEYS - {"fc.bias"}
+    written = load_file(str(out / "model.safetensors"))
+    orig = load_file(str(eagle_run / "train" / "best" / "model.safetensors"))
+    H = target.model.config.hidden_size
+    w_e = orig["fc.weight"][:, :H].double()
+    rows = torch.tensor([0, 1, 17, 1000, target.model.config.vocab_size - 1])
+    want = orig["embed_tokens.weight"][rows].double() @ w_e.T + orig["fc.bias"].double()
+    got = written["embed_tokens.weight"][rows].double() @ w_e.T
+    assert torch.allclose(got, want, rtol=0, atol=1e-5), (got - want).abs().max()
+    assert not torch.equal(written["embed_tokens.weight"], orig["embed_tokens.weight"])
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["bias"] is False and conf["architectures"] == ["LlamaForCausalLM"]
+    bad = {**orig, "fc.weight": orig["fc.weight"].clone()}
+    bad["fc.weight"][:, 1] = bad["fc.weight"][:, 0]  # two equal columns: W_e singular
+    with pytest.raises(ExportError, match="ill-conditioned"):
+        fold_fc_bias(bad)
+
+
+def test_vllm_medusa_round_trip(target, tmp_path: Path):
+    """vllm_medusa: vLLM's MedusaModel names, the blocks' bias declared, the target's LM head once."""
+    from train.drafters import registry
+
+    spec = registry.get("medusa")
+    cfg = spec.config_cls()
+    module = spec.build(cfg, target.model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            if name.startswith("heads."):
+                t.add_(0.01 * torch.randn_like(t))
+    src = Source(tmp_path / "drafter", "medusa", module, cfg, target, "smollm2-135m")
+    fmt = get_format("medusa", "vllm_medusa")
+    res = export_drafter(src, fmt, tmp_path / "vm")
+    assert res["round_trip_max_abs_logit_diff"] == 0.0
+    keys = _keys(tmp_path / "vm" / "model.safetensors")
+    H, V = target.model.config.hidden_size, target.model.config.vocab_size
+    assert keys["blocks.0.layers.0.weight"] == [H, H] and keys[f"blocks.{cfg.num_heads - 1}.layers.0.bias"] == [H]
+    assert keys["lm_heads.0.weight"] == [V, H] and "lm_heads.1.weight" not in keys
+    conf = json.loads((tmp_path / "vm" / "config.json").read_text())
+    assert conf["medusa_fc_bias"] is True and conf["original_lm_head"] is True
+    assert conf["num_heads"] == cfg.num_heads and conf["num_hidden_layers"] == cfg.num_layers
