@@ -174,3 +174,30 @@ def test_other_families_under_zero3_match_ddp(family: str, tiny: list[str], tmp_
     assert _engine(runs["zero3"]) == ZERO3
     assert losses(runs["zero3"]) == pytest.approx(losses(runs["none"]), rel=1e-5)
     _assert_close_weights(_weights(runs["zero3"]), _weights(runs["none"]), atol=1e-4)
+
+
+def test_two_launchers_rendezvous_like_two_nodes(tiny: list[str], tmp_path: Path, run_env: dict) -> None:
+    """The multi-node launch of slurm/train_gpu.sbatch without SLURM: two torchrun launchers (one per "node",
+    ``--nnodes 2 --nproc_per_node 1``) meet at a c10d rendezvous and train one ZeRO-2 run, with the losses of the
+    same run under one launcher with 2 processes. (The local SLURM cluster has one slurmd: its build cannot run
+    a second node on this host, so the srun part of that template is checked by its dry-run test only.)"""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    node += ["--rdzv_id", "ds-test", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}"]
+    run = tmp_path / "nodes"
+    args = [*tiny, "drafter=eagle3", "deepspeed=zero2", f"hydra.run.dir={run}"]
+    env = {k: v for k, v in run_env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    procs = [run_train(args, env, node) for _ in range(2)]
+    for p in procs:
+        ok(p)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["result"]["world_size"] == 2 and _engine(run) == ZERO2
+    ref = tmp_path / "one_launcher"
+    ok(run_train([*tiny, "drafter=eagle3", "deepspeed=zero2", f"hydra.run.dir={ref}"], run_env, TWO))
+    assert losses(run) == pytest.approx(losses(ref), rel=1e-5)
+    assert os.path.isdir(run / "checkpoints" / "step-000004" / "state" / "pytorch_model")

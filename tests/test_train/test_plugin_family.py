@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO, SMALL_SYNTH
+from tests.derived import assert_tau_derived
 from tests.test_train.runs import losses
 
 
@@ -56,7 +57,8 @@ def test_a_family_of_ones_own_trains_decodes_and_is_refused_by_export(
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = json.loads((tmp_path / "toy" / "eval" / "metrics.json").read_text())
     toy = metrics["metrics"]["toy_chain_k5"]["all"]  # eval.k=5 sets the chain length
-    assert toy["tau"] >= 1.0 and toy["identical_to_plain"] == 1.0 and toy["decode_prompts"] == 2, toy
+    assert toy["identical_to_plain"] == 1.0 and toy["decode_prompts"] == 2, toy
+    assert_tau_derived(toy)
 
     res = _cli([*common, "stage=export", "export.format=hf"], env)
     assert res.returncode != 0
