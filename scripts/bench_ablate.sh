@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # Training ablations, one change at a time: one family, one experiment's synth data, features computed once,
 # every variant trained with the experiment's budget and judged by replay on the same held-out prompts.
-#   bash scripts/bench_ablate.sh <family> <experiment> ["name:override override ..." ...]
+#   [RUNS_ROOT=runs] bash scripts/bench_ablate.sh <family> <experiment> ["name:override override ..." ...]
 # e.g. bash scripts/bench_ablate.sh eagle3 quickstart "frozen_head:drafter.freeze_lm_head=true" \
 #        "decay1:drafter.ttt_decay=1.0" "clip1:train.max_grad_norm=1.0"
-# A variant named "base" with no overrides always runs first. SYNTH_DIR (default runs/<experiment>/synth) picks the
+# <runs> is $RUNS_ROOT (default runs): every run is written under it and every stage gets runs_root=<runs>.
+# Needs the experiment's synth data: the script stops at once, naming the command, when <synth>/manifest.json is
+# missing (make it with `python3 -m train stage=synth experiment=<experiment> runs_root=<runs>`).
+# A variant named "base" with no overrides always runs first. SYNTH_DIR (default <runs>/<experiment>/synth) picks the
 # data; REUSE_BASE=1 keeps an existing base run (its train and eval already done with the same base overrides).
 # BASE_NAME (default base) names the baseline variant, so a new series of ablations does not overwrite an older base.
-# FEATURES_DIR (default: computed into runs/<experiment>_<family>_ablate/features) reuses a feature store, e.g. one made
+# FEATURES_DIR (default: computed into <runs>/<experiment>_<family>_ablate/features) reuses a feature store, e.g. one made
 # with more target layers (stage=features drafter.layer_ids=[...]) so that variants may fuse different layers.
 # BASE_OVERRIDES (space-separated) are applied to every variant, base included. Prints a markdown table (tau with its 95% bootstrap interval over prompts, chain K=5 and the family's
-# tree, per source and overall; the paired difference to base over the same prompts; training seconds) and writes it to runs/<experiment>_<family>_ablate/table.md.
+# tree, per source and overall; the paired difference to base over the same prompts; training seconds) and writes it to <runs>/<experiment>_<family>_ablate/table.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAMILY=${1:?family}
 EXP=${2:?experiment}
 shift 2
-SYNTH=${SYNTH_DIR:-runs/$EXP/synth}
-BASE=runs/${EXP}_${FAMILY}_ablate
-common=(experiment="$EXP" drafter="$FAMILY" "synth_dir=$SYNTH" wandb.mode=offline)
+R=${RUNS_ROOT:-runs}
+SYNTH=${SYNTH_DIR:-$R/$EXP/synth}
+[[ -f $SYNTH/manifest.json ]] || {
+  echo "no synth data in $SYNTH: make it with python3 -m train stage=synth experiment=$EXP runs_root=$R" >&2; exit 1; }
+BASE=$R/${EXP}_${FAMILY}_ablate
+common=(experiment="$EXP" drafter="$FAMILY" "synth_dir=$SYNTH" wandb.mode=offline runs_root="$R")
 FEATS=${FEATURES_DIR:-$BASE/features}
 if [[ -z ${FEATURES_DIR:-} ]]; then
   python3 -m train stage=features "${common[@]}" "run_name=${EXP}_${FAMILY}_ablate"
@@ -31,13 +37,13 @@ for spec in "$BASE_NAME:" "$@"; do
   read -r -a ovr <<<"${spec#*:}"
   ovr=("${base_ovr[@]}" "${ovr[@]}")
   run=${EXP}_${FAMILY}_abl_${name}
-  if [[ $name == "$BASE_NAME" && ${REUSE_BASE:-0} == 1 && -f runs/$run/eval/metrics.json ]]; then
-    runs+=("runs/$run")
+  if [[ $name == "$BASE_NAME" && ${REUSE_BASE:-0} == 1 && -f $R/$run/eval/metrics.json ]]; then
+    runs+=("$R/$run")
     continue
   fi
   python3 -m train stage=train "${common[@]}" "run_name=$run" "train.features_dir=$FEATS" overwrite=true "${ovr[@]}"
   python3 -m train stage=eval "${common[@]}" "run_name=$run" eval.mode=replay "eval.proposers=[drafter]" overwrite=true
-  runs+=("runs/$run")
+  runs+=("$R/$run")
 done
 python3 - "$BASE/table.md" "${runs[@]}" <<'PY'
 import json, sys

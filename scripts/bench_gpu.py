@@ -9,6 +9,10 @@ conversion; each family's 150 steps plus its held-out check then take well under
     python3 scripts/bench_gpu.py --num-prompts 256 --max-new-tokens 128 --steps 100   # a shorter GPU run
     python3 scripts/bench_gpu.py --synth-engines vllm,hf --families eagle3   # stage synth through vLLM vs HF
 
+Everything goes under ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``; relative: from the repository root),
+passed to every stage as ``runs_root=``: the synth run ``<runs>/<run-name>/synth`` (made here, nothing needed
+first), each family's ``<runs>/<run-name>_<family>/train`` and the report ``<runs>/<run-name>/bench_gpu.json``.
+
 ``--synth-engines``: stage synth runs once per engine on the same 512 prompts x 256 tokens (vLLM: bf16,
 compiled, as ``experiment=gpu_node`` sets it; needs vllm importable, or ``DRAFTSMITH_VLLM_PYTHON``), and the
 report gives each engine's generated tokens/s from its manifest, the engine's start time, and how many rows
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +51,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         help="a CPU run of the same plumbing at toy size (16 prompts, 3 steps, fp32, no DeepSpeed): checks the "
         "script itself, not the GPU; its MFU figures mean nothing",
     )
-    ap.add_argument("--runs-root", default="runs")
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="where the runs and the report go (default $RUNS_ROOT, else runs; relative: from the repository root)",
+    )
     ap.add_argument("--num-prompts", type=int, default=512, help="synth prompts (rows the families train on)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="synth tokens per answer")
     ap.add_argument(

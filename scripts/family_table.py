@@ -1,7 +1,12 @@
 """The drafter families side by side, from the run directories that scripts/bench_family.sh wrote.
 
-    python scripts/family_table.py quickstart          # runs/quickstart_{eagle,eagle3,medusa,standalone}
-    python scripts/family_table.py cpu_1h              # eagle3 from runs/cpu_1h when runs/cpu_1h_eagle3 is absent
+    python scripts/family_table.py quickstart          # <runs>/quickstart_{eagle,eagle3,medusa,standalone}
+    python scripts/family_table.py cpu_1h              # eagle3 from <runs>/cpu_1h when <runs>/cpu_1h_eagle3 is absent
+    python scripts/family_table.py quickstart --runs-root /data/runs
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``). Reads only: each family's row comes from
+``RUNS_ROOT=<runs> bash scripts/bench_family.sh <family> <experiment>``, and a family without one is a
+``(no run in ...)`` row.
 
 Prints a Markdown table: held-out tau per source (chain K and each family's default tree), wall-clock speedup
 over plain decoding and the draft cost ratio c (both measured in the same eval process), training tokens/s,
@@ -10,8 +15,9 @@ trainable parameters and the size of the saved drafter directory. Prompt lookup 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import os
 from pathlib import Path
 
 FAMILIES = ("eagle", "eagle3", "medusa", "standalone")
@@ -30,7 +36,11 @@ def _family(run: Path) -> str | None:
 
 
 def main() -> None:
-    exp = sys.argv[1] if len(sys.argv) > 1 else "quickstart"
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", nargs="?", default="quickstart")
+    ap.add_argument("--runs-root", default=os.environ.get("RUNS_ROOT", "runs"), help="default $RUNS_ROOT, else runs")
+    args = ap.parse_args()
+    exp, runs = args.experiment, Path(args.runs_root)
     head = (
         "| family | decode | tau ShareGPT | tau HumanEval | tau all | speedup all | c | "
         "train tok/s | trainable params | best/ size |"
@@ -39,9 +49,9 @@ def main() -> None:
     print("|---" * (head.count("|") - 1) + "|")
     floor = None
     for fam in FAMILIES:
-        run = Path("runs") / f"{exp}_{fam}"
-        if not run.is_dir() and _family(Path("runs") / exp) == fam:  # `stage=all experiment=<exp>`'s own run
-            run = Path("runs") / exp
+        run = runs / f"{exp}_{fam}"
+        if not run.is_dir() and _family(runs / exp) == fam:  # `stage=all experiment=<exp>`'s own run
+            run = runs / exp
         if not (run / "eval" / "metrics.json").is_file():
             print(f"| {fam} | (no run in {run}) | | | | | | | | |")
             continue

@@ -8,13 +8,16 @@ losses equal the uninterrupted run's (relative 1e-5).
 
     python scripts/gpu_deepspeed.py                      # on the GPU machine (bf16, the quickstart synth data)
     python scripts/gpu_deepspeed.py --smoke              # on a CPU: the same plumbing on a tiny random target
-Writes ``<runs-root>/gpu_deepspeed/report.json``.
+Everything goes under ``<runs-root>/gpu_deepspeed`` (``--runs-root``: default ``$RUNS_ROOT``, else ``runs``;
+relative: from the repository root), its synth data included (made there first when missing; every stage also gets
+``runs_root=``). Writes ``<runs-root>/gpu_deepspeed/report.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,11 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps before the stop; the reference runs twice as many")
     ap.add_argument("--engines", default="zero2,zero3")
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--runs-root", default="runs")
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="default $RUNS_ROOT, else runs (relative: from the repository root)",
+    )
     ap.add_argument("--smoke", action="store_true", help="a CPU check of this script on a tiny random target")
     a = ap.parse_args(argv)
-    root = Path(a.runs_root) / "gpu_deepspeed"
+    root = REPO / a.runs_root / "gpu_deepspeed"  # the stages run in the repository root: the same directory there
     common = ["experiment=quickstart", "wandb.mode=disabled", "train.features=online", "train.ema_decay=0"]
+    common.append(f"runs_root={a.runs_root}")
     common += ["train.eval_prompts=2", "train.eval_max_new_tokens=16"]
     if a.smoke:
         from data.tiny_target import make_tiny_target

@@ -2,8 +2,11 @@
 around it; and how many ATen calls one eager forward of the target dispatches (on a GPU each costs host time
 while its kernel takes microseconds, so a small model's step is bound by dispatch, whatever the batch).
 
-    python3 scripts/probe_engine_host.py --synth-dir runs/quickstart/synth [--batch 64 128] [--max-new-tokens 64]
+    python3 scripts/probe_engine_host.py [--synth-dir <runs>/quickstart/synth] [--batch 64 128] [--max-new-tokens 64]
     python3 scripts/probe_engine_host.py --device cuda ...   # the same on a GPU
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``). Needs a finished stage synth in
+``--synth-dir`` (the default one is made by ``python -m train stage=synth experiment=quickstart runs_root=<runs>``).
 
 Prompts: the prompt part of a synth run's rows (repeated to fill the largest batch). Prints one line per batch
 size, then the forward's dispatch count (torch profiler, batch 1, one decoding step on a 32-token cache).
@@ -12,6 +15,7 @@ size, then the forward's dispatch count (torch profiler, batch 1, one decoding s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -94,11 +98,18 @@ def dispatch_count(model: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--synth-dir", default="runs/quickstart/synth")
+    ap.add_argument("--runs-root", default=os.environ.get("RUNS_ROOT", "runs"), help="default $RUNS_ROOT, else runs")
+    ap.add_argument("--synth-dir", default=None, help="default <runs>/quickstart/synth")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
+    args.synth_dir = args.synth_dir or str(Path(args.runs_root) / "quickstart" / "synth")
+    if not (Path(args.synth_dir) / "manifest.json").is_file():
+        raise SystemExit(
+            f"no synth data in {args.synth_dir}: make it with python -m train stage=synth experiment=quickstart "
+            f"runs_root={args.runs_root} (or pass --synth-dir)"
+        )
     from data.config import TargetConfig
     from data.target import load_target
 

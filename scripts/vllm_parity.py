@@ -2,13 +2,13 @@
 
 Two halves, two environments:
 
-* ``python scripts/vllm_parity.py --synth-dir runs/quickstart/synth --draft target_layers:6 --k 3`` (the
+* ``python scripts/vllm_parity.py --synth-dir <runs>/quickstart/synth --draft target_layers:6 --k 3`` (the
   project's environment) loads the target and the held-out prompts (``eval.heldout.load_heldout``), writes
   the standalone draft as a plain HF directory with the target's tokenizer (``target_layers:N`` = the target's
   first N layers, as ``eval.run.load_draft_model`` builds it; or pass an exported ``hf`` directory), decodes
   every prompt greedily with our ``SpeculativeDecoder`` + ``DraftModelProposer`` (chain, K), then runs the
   second half in the engine venv and compares.
-* ``python scripts/vllm_parity.py --drafter runs/quickstart_eagle3/train/best --k 3`` does the same for a drafter
+* ``python scripts/vllm_parity.py --drafter <runs>/quickstart_eagle3/train/best --k 3`` does the same for a drafter
   the pipeline trained: our side decodes with the family's own proposer (``train.drafters.registry.load_drafter`` +
   ``spec.proposer`` with ``decode=chain, chain_k=K``, exactly as the eval stage does), the engine side serves the
   drafter's export (made with the export stage's machinery into ``OUT/export_<format>``, or ``--export-dir``):
@@ -23,6 +23,10 @@ Both sides count the same way (vLLM: ``mean acceptance length = 1 + accepted / d
 mean(accepted + 1) over verification steps, bonus token included), so for identical outputs and drafts the
 numbers must agree; the comparison is reported per prompt and in total, with the outputs compared token by
 token. Create the engine venv with ``scripts/engine_env.sh``.
+
+``<runs>`` is ``--runs-root`` (default ``$RUNS_ROOT``, else ``runs``): the root of the default ``--synth-dir``
+(``<runs>/quickstart/synth``, made by ``python -m train stage=synth experiment=quickstart runs_root=<runs>``; the
+main side stops at once, naming that command, without it) and ``--out`` (``<runs>/parity``).
 """
 
 from __future__ import annotations
@@ -332,6 +336,11 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     from data.target import load_target
     from eval.heldout import load_heldout
 
+    if not (Path(args.synth_dir) / "manifest.json").is_file():
+        raise SystemExit(
+            f"no synth data in {args.synth_dir}: make it with python -m train stage=synth experiment=quickstart "
+            f"runs_root={args.runs_root} (or pass --synth-dir)"
+        )
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -442,7 +451,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         ns.mode = "engine"
         return ns
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--synth-dir", default="runs/quickstart/synth")
+    ap.add_argument(
+        "--runs-root",
+        default=os.environ.get("RUNS_ROOT", "runs"),
+        help="<runs>, the root of the default --synth-dir and --out (default $RUNS_ROOT, else runs)",
+    )
+    ap.add_argument("--synth-dir", default=None, help="default <runs>/quickstart/synth")
     ap.add_argument("--target-path", default=None, help="the target (default: the one the synth run used)")
     ap.add_argument("--draft", default="target_layers:6", help="target_layers:N or a HF draft directory")
     ap.add_argument(
@@ -463,11 +477,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-    ap.add_argument("--out", default="runs/parity")
+    ap.add_argument("--out", default=None, help="default <runs>/parity")
     ap.add_argument("--engine-python", default=str(ENGINE_PY))
     ap.add_argument("--engine-timeout", type=int, default=900)
     ap.add_argument("--reuse-engine-output", action="store_true", help="reuse OUT/vllm_k*.json from a previous run")
     ns = ap.parse_args(argv)
+    ns.synth_dir = ns.synth_dir or str(Path(ns.runs_root) / "quickstart" / "synth")
+    ns.out = ns.out or str(Path(ns.runs_root) / "parity")
     ns.mode = "main"
     return ns
 
