@@ -10,24 +10,35 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
+_TEMP = re.compile(r"^\.(?P<name>.+?)\.(?:[A-Za-z0-9_]{8}\.tmp.*|tmp)$")
+
 
 class DiskFullError(OSError):
     """Raised when an output cannot be written because the disk is full (nothing partial is left)."""
 
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
+        return str(self.strerror or super().__str__())
 
-def _raise_if_disk_full(exc: OSError, path: Path) -> None:
+
+def raise_if_disk_full(exc: OSError, path: Path) -> None:
+    """Raise :class:`DiskFullError` naming ``path`` when ``exc`` is a full disk or an exhausted quota."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         raise DiskFullError(
             exc.errno,
             f"disk full while writing {path}; nothing was left half-written. Free space (or point "
-            f"runs_root / hydra.run.dir at a larger disk) and rerun the same command to resume.",
+            f"runs_root / hydra.run.dir at a larger disk) and rerun the same command to resume (stage train: with "
+            f"resume=true).",
         ) from exc
 
 
@@ -50,7 +61,7 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = "") -> Iterator[Path
         os.replace(tmp, final)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        _raise_if_disk_full(exc, final)
+        raise_if_disk_full(exc, final)
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -93,8 +104,42 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.replace(tmp, final)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        _raise_if_disk_full(exc, final)
+        raise_if_disk_full(exc, final)
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sweep_unfinished(directory: str | os.PathLike[str], names: tuple[str, ...] | None = None) -> list[Path]:
+    """Clean up after a writer killed mid-commit in ``directory`` (a SIGKILL, a node failure, the OOM killer).
+
+    Removes the temporary siblings of :func:`atomic_path` / :func:`atomic_dir` (``.<name>.<random>.tmp``) and
+    checkpoint saves (``.<name>.tmp``); a ``.<name>.old`` that :func:`atomic_dir` moved aside is put back when the
+    kill came before its replacement took its place, else removed. ``names`` limits the sweep to those outputs.
+    Call it only while holding the directory's run lock: a temporary file of a live writer would be removed too.
+    Returns what it removed or restored.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    done: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith("."):
+            continue
+        old = entry.name.endswith(".old") and len(entry.name) > 5
+        name = entry.name[1:-4] if old else (m.group("name") if (m := _TEMP.match(entry.name)) else None)
+        if name is None or (names is not None and name not in names):
+            continue
+        final = root / name
+        if old and not final.exists():
+            logger.warning("restoring %s: a replacement of it was interrupted", final)
+            os.replace(entry, final)
+        else:
+            logger.warning("removing %s: a write of %s was interrupted", entry, final)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        done.append(entry)
+    return done

@@ -19,6 +19,81 @@ class TargetError(RuntimeError):
     """The target model or its tokenizer could not be loaded or is unusable; the message says why."""
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The allowed range of a numeric config value: part of the schema (a config dataclass's ``bounds``), checked
+    for the whole config tree at once by :func:`check_bounds` before any stage does work. ``None`` (an optional
+    key left unset) is always allowed; a list of numbers is checked element by element."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    hint: str = ""
+    """Said after the range, e.g. ``0 = off``."""
+
+    def allows(self, value: float) -> bool:
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def at_least(lo: float, hint: str = "") -> Bound:
+    return Bound(lo=lo, hint=hint)
+
+
+def above(lo: float, hint: str = "") -> Bound:
+    return Bound(lo=lo, lo_open=True, hint=hint)
+
+
+def between(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False, hint: str = "") -> Bound:
+    return Bound(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, hint=hint)
+
+
+def bound_errors(obj: Any, prefix: str = "") -> list[str]:
+    """Every value of a config tree (dataclasses, dicts and lists of them) outside its field's :class:`Bound`,
+    as ``key=value must be <range>`` lines. A dataclass declares its bounds in a ``bounds`` class attribute."""
+    errors: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            errors.extend(bound_errors(v, f"{prefix}{k}."))
+        return errors
+    if not (is_dataclass(obj) and not isinstance(obj, type)):
+        return errors
+    bounds: dict[str, Bound] = getattr(type(obj), "bounds", {})
+    unknown = set(bounds) - {f.name for f in fields(obj)}
+    if unknown:
+        raise TypeError(f"{type(obj).__name__}.bounds names no field: {sorted(unknown)}")
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        bound = bounds.get(f.name)
+        if bound is None:
+            errors.extend(bound_errors(value, key + "."))
+            continue
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            if v != v or not bound.allows(v):  # NaN is never in range
+                hint = f" ({bound.hint})" if bound.hint else ""
+                errors.append(f"{key}={v!r} must be {bound.describe()}{hint}")
+    return errors
+
+
+def check_bounds(obj: Any, prefix: str = "") -> None:
+    """:class:`ConfigError` listing every value of the config tree ``obj`` outside its bounds (all at once)."""
+    errors = bound_errors(obj, prefix)
+    if errors:
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(errors))
+
+
 class Choice(StrEnum):
     """A config value from a fixed set. Members are named as their values, so Hydra/OmegaConf accept the plain
     string from YAML or the command line (and refuse others at compose time, naming the valid ones), JSON
@@ -119,6 +194,11 @@ class SourceConfig(Choices):
     """One prompt source in the data mixture."""
 
     config_key: ClassVar[str] = "data.sources.<name>"
+    bounds: ClassVar[dict[str, Bound]] = {
+        "weight": at_least(0),
+        "max_records": at_least(1, "or null: all"),
+        "regenerate": between(0, 1),
+    }
     kind: SourceKind = SourceKind.sharegpt
     """sharegpt | humaneval | jsonl."""
     weight: float = 1.0
@@ -136,6 +216,15 @@ class SourceConfig(Choices):
 @dataclass
 class DataConfig:
     """Prompt sources (real traffic), their mixture, validation limits and the held-out split."""
+
+    bounds: ClassVar[dict[str, Bound]] = {
+        "num_prompts": at_least(1, "or null: every valid conversation"),
+        "heldout_fraction": between(0, 1, hi_open=True),
+        "max_heldout": at_least(0),
+        "max_turns": at_least(1),
+        "max_prompt_tokens": at_least(1),
+        "max_message_chars": at_least(1),
+    }
 
     sources: dict[str, SourceConfig] = field(default_factory=dict)
     """Named prompt sources; set by the data group (data=sharegpt|humaneval|mix|jsonl), which replaces the
@@ -163,6 +252,16 @@ class SynthConfig(Choices):
     """Stage synth: decode real prompts through the target ("mid-training" data)."""
 
     config_key: ClassVar[str] = "synth"
+    bounds: ClassVar[dict[str, Bound]] = {
+        "max_new_tokens": at_least(1),
+        "temperature": at_least(0, "0 = greedy"),
+        "top_p": between(0, 1, lo_open=True),
+        "batch_size": at_least(1),
+        "chunk_size": at_least(1),
+        "num_shards": at_least(1),
+        "shard_index": at_least(0, "or null: every shard"),
+        "max_seq_len": at_least(2),
+    }
 
     max_new_tokens: int = 512
     temperature: float = 0.0

@@ -32,12 +32,21 @@ import torch
 from tqdm import tqdm
 
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from data.config import ConfigError, DataConfig, RunConfig, SynthConfig, SynthEngine, flat_config, shown_value
+from data.config import (
+    ConfigError,
+    DataConfig,
+    RunConfig,
+    SynthConfig,
+    SynthEngine,
+    bound_errors,
+    flat_config,
+    shown_value,
+)
 from data.generate import continuous_generate
 from data.manifest import read_manifest, write_manifest
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
-from data.split import check_data, heldout_score, select
+from data.split import check_data, check_heldout_file, heldout_score, select
 from data.target import Target, load_target, require_chat_template, resolve_target_path
 from data.tracking import log_stage
 from data.vllm_engine import VLLMEngine, find_engine_python
@@ -82,18 +91,9 @@ class ChunkStats:
 
 
 def validate_synth(cfg: SynthConfig) -> None:
-    """Check the synth settings together before any expensive work."""
-    errors = []
-    if cfg.max_new_tokens < 1:
-        errors.append(f"synth.max_new_tokens={cfg.max_new_tokens} must be >= 1")
-    if cfg.temperature < 0:
-        errors.append(f"synth.temperature={cfg.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < cfg.top_p <= 1:
-        errors.append(f"synth.top_p={cfg.top_p} must be in (0, 1]")
-    if cfg.batch_size < 1 or cfg.chunk_size < 1:
-        errors.append("synth.batch_size and synth.chunk_size must be >= 1")
-    if cfg.num_shards < 1:
-        errors.append(f"synth.num_shards={cfg.num_shards} must be >= 1")
+    """Check the synth settings together before any expensive work: each within its schema bounds
+    (``SynthConfig.bounds``), and the shard index within the shards."""
+    errors = bound_errors(cfg, "synth.")
     if cfg.shard_index is not None and not 0 <= cfg.shard_index < cfg.num_shards:
         errors.append(f"synth.shard_index={cfg.shard_index} must be in [0, {cfg.num_shards})")
     if errors:
@@ -807,11 +807,67 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
     return manifest
 
 
-def load_synth_dataset(synth_dir: str | os.PathLike[str]) -> Any:
-    """Load the synth output as a ``datasets.Dataset`` (checks the manifest exists first)."""
-    import datasets
+def synth_chunks(synth_dir: str | os.PathLike[str]) -> list[Path]:
+    """The data chunks of a finished synth output, checked against its manifest before anything reads them.
+
+    A chunk that is missing, unreadable or holds another number of rows than the manifest counts (a copy cut
+    short, a file replaced) is a :class:`ConfigError` naming it: training on the rest would silently learn from
+    less data than the run reports.
+    """
+    import pyarrow.parquet as pq
 
     out = Path(synth_dir)
-    read_manifest(out / "manifest.json")
-    files = sorted(str(p) for p in (out / "data").glob("chunk-*.parquet"))
+    manifest = read_manifest(out / "manifest.json")
+    counts = manifest.get("counts") or {}
+    n_chunks, n_rows = counts.get("chunks"), counts.get("rows")
+    if not isinstance(n_chunks, int) or not isinstance(n_rows, int):
+        raise ConfigError(f"{out / 'manifest.json'} has no chunk and row counts: rerun stage=synth (overwrite=true)")
+    files = [chunk_path(out, i) for i in range(n_chunks)]
+    extra = sorted(set((out / "data").glob("chunk-*.parquet")) - set(files))
+    if extra:
+        raise ConfigError(f"{extra[0]} is not part of the synth output in {out} ({n_chunks} chunks): remove it")
+    rows = 0
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(
+                f"{f} is missing from the synth output in {out}: rerun stage=synth with the same config (it writes "
+                f"the missing chunks again)"
+            )
+        try:
+            rows += pq.ParquetFile(f).metadata.num_rows
+        except Exception as exc:  # pyarrow raises several types for a damaged file
+            raise ConfigError(
+                f"{f} is not a readable Parquet file ({type(exc).__name__}): remove it and rerun stage=synth with "
+                f"the same config (it writes the missing chunk again)"
+            ) from None
+    if rows != n_rows:
+        raise ConfigError(
+            f"the synth output in {out} holds {rows} rows where its manifest counts {n_rows}: a chunk was replaced "
+            f"or cut short; rerun stage=synth (overwrite=true)"
+        )
+    return files
+
+
+def check_synth_output(synth_dir: str | os.PathLike[str]) -> list[Path]:
+    """A finished synth output as its manifest describes it: every chunk (:func:`synth_chunks`) and the held-out
+    split's rows, each readable, as many as counted -- checked before a stage that reads it loads a model; returns
+    the chunks. A cut-short ``heldout.jsonl`` would otherwise pick ``best/`` on fewer prompts than reported."""
+    out = Path(synth_dir)
+    files = synth_chunks(out)
+    heldout = (read_manifest(out / "manifest.json").get("counts") or {}).get("heldout")
+    if isinstance(heldout, int) and heldout > 0:
+        n = check_heldout_file(out)
+        if n != heldout:
+            raise ConfigError(
+                f"{out / 'heldout.jsonl'} holds {n} held-out rows where the synth manifest counts {heldout}: rerun "
+                f"stage=synth with the same config (it rewrites heldout.jsonl)"
+            )
+    return files
+
+
+def load_synth_dataset(synth_dir: str | os.PathLike[str]) -> Any:
+    """Load the synth output as a ``datasets.Dataset`` (its chunks checked first: :func:`synth_chunks`)."""
+    import datasets
+
+    files = [str(f) for f in synth_chunks(synth_dir)]
     return datasets.load_dataset("parquet", data_files=files, split="train")

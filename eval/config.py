@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from data.config import Choice, Choices, RunConfig
+from data.config import Bound, Choice, Choices, RunConfig, at_least, between
 
 
 class EvalMode(Choice):
@@ -32,6 +32,21 @@ class EvalConfig(Choices):
     """Stage eval: held-out acceptance length and speedup with the built-in speculative decoder."""
 
     config_key: ClassVar[str] = "eval"
+    bounds: ClassVar[dict[str, Bound]] = {
+        **{
+            k: at_least(1)
+            for k in ("num_prompts", "max_new_tokens", "decode_prompts", "decode_max_new_tokens", "replay_batch_size")
+        },
+        "replay_lanes": at_least(1),
+        "bootstrap": at_least(1),
+        "temperature": at_least(0, "0 = greedy"),
+        "top_p": between(0, 1, lo_open=True),
+        "k": at_least(1),
+        "tree_depth": at_least(1, "or null: the drafter's own"),
+        "tree_top_k": at_least(1, "or null: the drafter's own"),
+        "tree_total_tokens": at_least(1, "or null: the drafter's own"),
+        "prompt_lookup_max_ngram": at_least(1),
+    }
 
     proposers: list[str] = field(default_factory=lambda: ["drafter", "prompt_lookup"])
     """Compared with plain decoding: drafter (the trained one) | prompt_lookup | draft_model | hf_assisted
@@ -90,6 +105,12 @@ class EvalConfig(Choices):
     prompt_lookup_max_ngram: int = 3
     seed: int = 0
     plot: bool = True
+
+
+DRAFT_SHAPE_BOUNDS: dict[str, Bound] = {
+    k: at_least(1) for k in ("chain_k", "tree_depth", "tree_top_k", "tree_total_tokens")
+}
+"""Bounds of the draft-shape settings every drafter family's config carries."""
 
 
 class EvalRunConfig(RunConfig, Protocol):

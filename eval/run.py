@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
-from data.config import ConfigError
+from data.config import ConfigError, check_bounds
 from data.manifest import write_manifest
 from data.render import prompt_ids
 from data.sources import SkipCounter
@@ -486,11 +486,9 @@ def select_prompts(cfg: EvalRunConfig, target: Target) -> list[Prompt]:
 
 
 def check_eval_config(e: Any) -> None:
-    """Cheap value checks of the eval settings (before anything loads)."""
-    if e.max_new_tokens < 1 or e.k < 1 or e.num_prompts < 1 or e.replay_lanes < 1:
-        raise ConfigError("eval.max_new_tokens, eval.num_prompts, eval.k and eval.replay_lanes must be >= 1")
-    if e.mode == "both" and (e.decode_prompts < 1 or e.decode_max_new_tokens < 1):
-        raise ConfigError("eval.decode_prompts and eval.decode_max_new_tokens must be >= 1 (or eval.mode=replay)")
+    """Cheap value checks of the eval settings (before anything loads): each within its schema bounds
+    (``EvalConfig.bounds``), and the combinations that cannot work."""
+    check_bounds(e, "eval.")
     if e.mode != "decode" and e.temperature > 0:
         raise ConfigError(
             "eval.mode=replay/both replays the greedy (temperature 0) trajectory; for eval.temperature > 0 use "

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 
 HEAVY_FIRST = (
+    "test_train/test_faults.py",
     "test_export/test_vllm_parity.py",
     "test_eval/test_replay.py",
     "test_targets/test_architectures.py",

@@ -30,8 +30,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.atomic import DiskFullError
-from data.config import ConfigError, TargetError
+from data.atomic import DiskFullError, sweep_unfinished
+from data.config import ConfigError, TargetError, check_bounds
 from data.manifest import check_same_config
 from train.checkpoints import check_drafter_dir
 from train.config import Config, check_overrides, check_run_name, register_configs
@@ -61,10 +61,20 @@ def _stage_merge(cfg: Config, run_dir: Path) -> Any:
         return merge(cfg, Path(cfg.synth_dir))
 
 
+def _check_synth_output(cfg: Config) -> None:
+    """A finished synth output with a missing, damaged or replaced chunk or held-out split is refused before the
+    target loads."""
+    from data.synth import check_synth_output
+
+    if (Path(cfg.synth_dir) / "manifest.json").is_file():
+        check_synth_output(cfg.synth_dir)
+
+
 def _stage_features(cfg: Config, run_dir: Path) -> Any:
     from train.features import run_features
 
     with run_lock(run_dir, "features"):
+        _check_synth_output(cfg)
         return run_features(cfg, run_dir)
 
 
@@ -72,6 +82,7 @@ def _stage_train(cfg: Config, run_dir: Path) -> Any:
     from train.loop import run_train
 
     with run_lock(run_dir, "train"):
+        _check_synth_output(cfg)
         return run_train(cfg, run_dir)
 
 
@@ -105,6 +116,7 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
     from eval.run import run_eval
 
     with run_lock(run_dir, "eval"):
+        sweep_unfinished(run_dir)  # what a killed eval left half-committed
         check_same_config(run_dir, "eval", cfg)  # never replace results made with another config silently
         if "drafter" in cfg.eval.proposers:  # a missing or corrupt drafter fails before the target loads
             check_drafter_dir(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", "eval.drafter_dir")
@@ -144,9 +156,14 @@ def _stage_compare(cfg: Config, run_dir: Path) -> Any:
 def _stage_all(cfg: Config, run_dir: Path) -> Any:
     """synth -> (features) -> train -> eval. With the default run dir (runs/<run_name>/all) the stages write to
     runs/<run_name>/{synth,train,eval}, where the single-stage commands look for them."""
+    from data.synth import validate_synth
+    from eval.run import check_eval_config
     from train.loop import validate_train
 
-    validate_train(cfg)  # the training settings are checked before the synth and features stages spend time
+    # every stage's settings are checked before the synth and features stages spend time
+    validate_synth(cfg.synth)
+    validate_train(cfg)
+    check_eval_config(cfg.eval)
     base = run_dir.parent if run_dir.name == "all" else run_dir
     cfg.synth_dir, cfg.train_dir = str(base / "synth"), str(base / "train")
     logger.info("stage all: synth -> train -> eval under %s", base)
@@ -339,6 +356,7 @@ def main(dcfg: DictConfig) -> Any:
 
     try:
         cfg = to_config(dcfg)
+        check_bounds(cfg)  # every numeric key of every stage, before any stage does work
         check_run_name(cfg.run_name)
         check_stage(cfg.stage)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -352,23 +370,40 @@ def main(dcfg: DictConfig) -> Any:
     except USER_ERRORS as exc:  # found once the config is composed: a message and exit 2, no traceback
         if debug_mode():
             raise
+        print_error(str(exc))
         logger.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
-        remove_scaffold(Path(HydraConfig.get().runtime.output_dir))
+        remove_scaffold(Path(HydraConfig.get().runtime.output_dir), Path(str(dcfg.get("runs_root", "runs"))))
         sys.exit(2)
+
+
+def print_error(text: str) -> None:
+    """``error: <text>`` on stderr, on a line of its own: progress bars still open are closed first (an error
+    raised inside a loop would otherwise land at the end of its bar's line)."""
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+    except Exception:
+        pass
+    print(f"error: {text}", file=sys.stderr)
 
 
 SCAFFOLD = {".hydra", "__main__.log"}
 """What Hydra writes into a run directory before the stage starts."""
 
 
-def remove_scaffold(run_dir: Path) -> None:
+def remove_scaffold(run_dir: Path, runs_root: Path | None = None) -> None:
     """Remove a run directory that holds nothing but Hydra's scaffold (a command that failed before writing
-    anything leaves no empty run behind); a directory with any output of a stage is kept whole."""
+    anything leaves no empty run behind), and its run's directory (``<runs_root>/<run_name>``) when that is left
+    empty; a directory with any output of a stage is kept whole."""
     try:
         if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - SCAFFOLD:
             return
         shutil.rmtree(run_dir)
+        parent = run_dir.parent
+        if runs_root is not None and parent.resolve().parent == runs_root.resolve() and not any(parent.iterdir()):
+            parent.rmdir()
     except OSError:
         pass  # tidying only
 
@@ -386,17 +421,16 @@ def cli() -> None:
     except ConfigError as exc:
         if debug_mode():
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(str(exc))
         sys.exit(2)
     try:
         main()
     except KeyboardInterrupt:
         if debug_mode():
             raise
-        print(
-            "error: interrupted; outputs are written atomically and training checkpoints at save_every steps: rerun "
-            "the same command (train: resume=true) to go on",
-            file=sys.stderr,
+        print_error(
+            "interrupted; outputs are written atomically and training checkpoints at save_every steps: rerun "
+            "the same command (train: resume=true) to go on"
         )
         sys.exit(130)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from data.synth import synth_chunks
 from train.drafters.registry import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -30,12 +31,12 @@ def load_rows(synth_dir: str | Path, max_seq_len: int) -> list[Row]:
     import pyarrow.parquet as pq
 
     out = Path(synth_dir)
-    files = sorted((out / "data").glob("chunk-*.parquet"))
-    if not (out / "manifest.json").is_file() or not files:
+    if not (out / "manifest.json").is_file():
         raise FileNotFoundError(
             f"No finished synth output in {out}: run `python -m train stage=synth` (same run_name) first, "
             f"or point synth_dir at one."
         )
+    files = synth_chunks(out)
     rows: list[Row] = []
     dropped = 0
     for f in files:

@@ -32,7 +32,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from data.atomic import atomic_write_json, atomic_write_text
-from data.config import ConfigError
+from data.config import ConfigError, bound_errors
 from train.config import Config
 
 logger = logging.getLogger(__name__)
@@ -75,11 +75,7 @@ def validate_slurm(cfg: Config) -> None:
         errors.append(f"launcher={cfg.launcher!r} must be one of {', '.join(LAUNCHERS)}")
     if cfg.stage not in SUBMITTABLE:
         errors.append(f"stage={cfg.stage} cannot be submitted; launcher=slurm takes {', '.join(SUBMITTABLE)}")
-    for name in ("nodes", "tasks_per_node", "cpus_per_task", "array"):
-        if getattr(s, name) < 1:
-            errors.append(f"slurm.{name}={getattr(s, name)} must be >= 1")
-    if s.gpus_per_node < 0 or s.max_requeues < 0 or s.signal_grace < 0:
-        errors.append("slurm.gpus_per_node, slurm.max_requeues and slurm.signal_grace must be >= 0")
+    errors += bound_errors(s, "slurm.")
     if not s.dry_run and shutil.which("sbatch") is None:
         errors.append("sbatch not found: run on a SLURM login node (or bash scripts/slurm_local.sh for a local one)")
     if errors:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 from hydra.core.config_store import ConfigStore
 
 from data.config import (
+    Bound,
     Choice,
     Choices,
     ConfigError,
@@ -23,6 +24,9 @@ from data.config import (
     SynthConfig,
     TargetConfig,
     WandbConfig,
+    above,
+    at_least,
+    between,
 )
 from eval.config import EvalConfig
 from train.drafters import registry
@@ -54,6 +58,22 @@ class TrainConfig(Choices):
     """Stage train: the one training loop (accelerate + DeepSpeed) shared by every drafter family."""
 
     config_key: ClassVar[str] = "train"
+    bounds: ClassVar[dict[str, Bound]] = {
+        **{k: at_least(1) for k in ("max_steps", "micro_batch_size", "grad_accum", "bucket_size")},
+        **{k: at_least(1) for k in ("log_every", "save_every", "keep_checkpoints", "eval_prompts")},
+        "lr": above(0),
+        "eval_max_new_tokens": at_least(1),
+        **{k: at_least(0) for k in ("weight_decay", "warmup_steps", "max_grad_norm", "muon_weight_decay")},
+        **{k: between(0, 1, hi_open=True) for k in ("beta1", "beta2", "muon_momentum")},
+        "min_lr_ratio": between(0, 1),
+        "muon_lr": above(0, "or null: train.lr"),
+        "ema_decay": between(0, 1, hi_open=True, hint="0 = no weight average"),
+        "ema_warmup": at_least(1),
+        "max_seq_len": at_least(8),
+        "max_rows": at_least(1, "or null: every row"),
+        "eval_every": at_least(0, "0: the held-out check at the end only"),
+        "stop_after_steps": at_least(1, "or null"),
+    }
 
     max_steps: int = 2000
     """Optimizer steps."""
@@ -115,8 +135,16 @@ class TrainConfig(Choices):
 class DeepSpeedConfig:
     """DeepSpeed settings; the DeepSpeed config dict is built from these (no second JSON)."""
 
-    enabled: bool = True
-    zero_stage: int = 2
+    bounds: ClassVar[dict[str, Bound]] = {
+        "zero_stage": between(0, 3),
+        "reduce_bucket_size": at_least(1),
+        "allgather_bucket_size": at_least(1),
+    }
+
+    enabled: bool = False
+    """Off by default (``deepspeed=none``): plain accelerate, DDP when several processes. ``deepspeed=zero1|zero2|
+    zero3`` turns it on with that ZeRO stage."""
+    zero_stage: int = 0
     offload_optimizer: bool = False
     offload_param: bool = False
     overlap_comm: bool = False
@@ -141,6 +169,8 @@ class ExportConfig:
 
 @dataclass
 class RuntimeConfig:
+    bounds: ClassVar[dict[str, Bound]] = {"num_threads": at_least(0, "0: every core"), "log_every": at_least(1)}
+
     num_threads: int = 0
     """torch CPU threads (0: number of cores)."""
     log_every: int = 10
@@ -167,6 +197,13 @@ class SlurmConfig:
     The defaults run on the single-node test cluster (``scripts/slurm_local.sh``); on a GPU cluster set
     partition, account, nodes, gpus_per_node and time.
     """
+
+    bounds: ClassVar[dict[str, Bound]] = {
+        **{k: at_least(1) for k in ("nodes", "tasks_per_node", "cpus_per_task", "array")},
+        **{k: at_least(0) for k in ("gpus_per_node", "signal_grace", "max_requeues")},
+        "array_parallel": at_least(1, "or null: no limit"),
+        "master_port": between(1, 65535),
+    }
 
     partition: str | None = None
     """sbatch --partition (None: the cluster's default partition)."""

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from data.atomic import atomic_dir, atomic_write_json
-from data.config import ConfigError
+from data.atomic import atomic_dir, atomic_write_json, raise_if_disk_full, sweep_unfinished
+from data.config import ConfigError, bound_errors
 from data.manifest import read_manifest, write_manifest
 from data.target import load_target, output_head
 from data.tracking import Tracker
@@ -95,40 +95,12 @@ def subset_rows(n_rows: int, k: int, seed: int) -> list[int]:
 
 
 def validate_train(cfg: Config) -> None:
+    """The train settings: each value within its schema bounds (``TrainConfig.bounds``, the drafter's) and the
+    combinations that cannot work."""
+    errors = bound_errors(cfg.train, "train.") + bound_errors(cfg.deepspeed, "deepspeed.")
+    if cfg.drafter is not None:
+        errors += bound_errors(cfg.drafter, "drafter.")
     t = cfg.train
-    errors = []
-    if t.max_steps < 1:
-        errors.append(f"train.max_steps={t.max_steps} must be >= 1")
-    if t.micro_batch_size < 1 or t.grad_accum < 1:
-        errors.append("train.micro_batch_size and train.grad_accum must be >= 1")
-    if t.lr <= 0:
-        errors.append(f"train.lr={t.lr} must be > 0")
-    if t.max_rows is not None and t.max_rows < 1:
-        errors.append(f"train.max_rows={t.max_rows} must be >= 1 (or null: every row)")
-    if not 0.0 <= t.ema_decay < 1.0:
-        errors.append(f"train.ema_decay={t.ema_decay} must be in [0, 1) (0 = no weight average)")
-    for key in ("log_every", "save_every", "keep_checkpoints"):
-        if getattr(t, key) < 1:
-            errors.append(f"train.{key}={getattr(t, key)} must be >= 1")
-    if t.eval_every < 0:
-        errors.append(f"train.eval_every={t.eval_every} must be >= 0 (0: the held-out check at the end only)")
-    for key, low in (("eval_prompts", 1), ("eval_max_new_tokens", 1), ("max_seq_len", 8), ("bucket_size", 1)):
-        if getattr(t, key) < low:
-            errors.append(f"train.{key}={getattr(t, key)} must be >= {low}")
-    for key in ("warmup_steps", "weight_decay", "max_grad_norm", "muon_weight_decay"):
-        if getattr(t, key) < 0:
-            errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
-    for key in ("beta1", "beta2", "muon_momentum"):
-        if not 0.0 <= getattr(t, key) < 1.0:
-            errors.append(f"train.{key}={getattr(t, key)} must be in [0, 1)")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        errors.append(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if t.muon_lr is not None and t.muon_lr <= 0:
-        errors.append(f"train.muon_lr={t.muon_lr} must be > 0 (or null: train.lr)")
-    if t.stop_after_steps is not None and t.stop_after_steps < 1:
-        errors.append(f"train.stop_after_steps={t.stop_after_steps} must be >= 1 (or null)")
-    if not t.ema_warmup >= 1.0:
-        errors.append(f"train.ema_warmup={t.ema_warmup} must be >= 1")
     if t.ema_decay > 0 and cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3:
         errors.append("train.ema_decay needs whole parameters on every process: not with deepspeed.zero_stage=3")
     if cfg.drafter is None:
@@ -426,11 +398,16 @@ class Trainer:
     def _schema_defaults(self) -> dict[str, Any]:
         """The schema's defaults for this run's config (its drafter family's included), for the resume check."""
         defaults = Config()
-        if is_dataclass(self.cfg.drafter):
-            defaults.drafter = type(self.cfg.drafter)()
+        if is_dataclass(self.cfg.drafter):  # a key newer than the checkpoint: what the code did before it existed
+            family = type(self.cfg.drafter)
+            defaults.drafter = family(**getattr(family, "absent_means", {}))
         return asdict(defaults)
 
     def _resume_or_refuse(self) -> None:
+        if self.acc.is_main_process:  # what a killed save or publish left (this run holds the lock): never resumed
+            sweep_unfinished(self.run_dir)
+            sweep_unfinished(self.ckpt_root)
+        self.acc.wait_for_everyone()
         existing = self._checkpoints()
         if not self.cfg.resume:
             if existing and not self.cfg.overwrite:
@@ -444,11 +421,6 @@ class Trainer:
                 shutil.rmtree(self.ckpt_root, ignore_errors=True)
             self.acc.wait_for_everyone()
             return
-        if self.acc.is_main_process:  # half-written checkpoints of a killed save are never resumed: remove them
-            for tmp in self.ckpt_root.glob(".step-*.tmp"):
-                logger.warning("removing the unfinished checkpoint %s (its save was interrupted)", tmp)
-                shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.wait_for_everyone()
         if not existing:
             logger.warning("resume=true but no checkpoint in %s: starting from step 0", self.ckpt_root)
             return
@@ -634,9 +606,21 @@ class Trainer:
         }
 
     def _save(self, final: bool = False, evaluate: bool = False) -> None:
+        """Write the step's checkpoint into a temporary directory and rename it into place; a full disk (or any
+        error) on the way removes the temporary directory and leaves the previous checkpoints as they were."""
         name = f"step-{self.step:06d}"
         final_dir = self.ckpt_root / name
         tmp = self.ckpt_root / f".{name}.tmp"
+        try:
+            self._write_checkpoint(name, final_dir, tmp, final, evaluate)
+        except BaseException as exc:
+            if self.acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise_if_disk_full(exc, final_dir)
+            raise
+
+    def _write_checkpoint(self, name: str, final_dir: Path, tmp: Path, final: bool, evaluate: bool) -> None:
         if self.acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from data.atomic import DiskFullError, atomic_dir, atomic_write_json, atomic_write_text, atomic_write_with
+from data.atomic import (
+    DiskFullError,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    atomic_write_with,
+    sweep_unfinished,
+)
 
 
 def test_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
@@ -45,6 +52,42 @@ def test_atomic_dir_replaces_whole_directory(tmp_path: Path) -> None:
         raise ValueError("interrupted")
     assert (d / "a").read_text() == "1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+
+
+def test_sweep_after_a_kill_mid_commit_restores_or_removes_exactly_the_debris(tmp_path: Path) -> None:
+    """The states a SIGKILL can leave inside atomic_dir / atomic_path / a checkpoint save: the previous output moved
+    aside with its replacement not yet in place (put back), a temporary beside a complete output (removed). Other
+    dot-files and outputs, and with ``names`` other outputs' debris, are left alone."""
+    (tmp_path / ".best.old").mkdir()
+    (tmp_path / ".best.old" / "w").write_text("previous")
+    (tmp_path / ".best.ab12cd_3.tmp").mkdir()
+    (tmp_path / ".manifest.json.x1y2z3w4.tmp").write_text("{")
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / ".export.old").mkdir()
+    (tmp_path / "export").mkdir()
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".lock").write_text("")
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / ".step-000004.tmp" / "state").mkdir(parents=True)
+    (ckpts / "step-000002").mkdir()
+
+    assert sweep_unfinished(tmp_path, names=("export",)) == [tmp_path / ".export.old"]
+    assert (tmp_path / ".best.old").exists()
+    removed = sweep_unfinished(tmp_path)
+    assert sorted(p.name for p in removed) == [".best.ab12cd_3.tmp", ".best.old", ".manifest.json.x1y2z3w4.tmp"]
+    assert (tmp_path / "best" / "w").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".hydra",
+        ".lock",
+        "best",
+        "checkpoints",
+        "export",
+        "manifest.json",
+    ]
+    assert sweep_unfinished(ckpts) == [ckpts / ".step-000004.tmp"] and [p.name for p in ckpts.iterdir()] == [
+        "step-000002"
+    ]
+    assert sweep_unfinished(tmp_path / "missing") == []
 
 
 def test_real_full_disk(tmp_path: Path) -> None:

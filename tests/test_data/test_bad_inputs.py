@@ -103,3 +103,53 @@ def test_check_data_rejects_bad_values_cheaply(tmp_path: Path) -> None:
     with pytest.raises(Exception) as err:  # an unknown source kind is refused when Hydra composes
         compose(["data=jsonl", "data.sources.mine.paths=[x]", "data.sources.mine.kind=csv"])
     assert "Invalid value 'csv', expected one of [sharegpt, humaneval, jsonl]" in str(err.value.__cause__)
+
+
+def _synth_output(out: Path, rows_per_chunk: list[int]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (out / "data").mkdir(parents=True)
+    for i, n in enumerate(rows_per_chunk):
+        table = pa.table({"input_ids": [[1, 2, 3]] * n, "loss_mask": [[0, 1, 1]] * n})
+        pq.write_table(table, out / "data" / f"chunk-{i:05d}.parquet")
+    (out / "heldout.jsonl").write_text("".join(json.dumps({**GOOD, "source": "s", "id": i}) + "\n" for i in range(2)))
+    counts = {"chunks": len(rows_per_chunk), "rows": sum(rows_per_chunk), "heldout": 2}
+    (out / "manifest.json").write_text(json.dumps({"stage": "synth", "counts": counts}))
+
+
+@pytest.mark.parametrize(
+    "damage", ["missing", "truncated", "not parquet", "fewer rows", "extra chunk", "held-out cut", "held-out row gone"]
+)
+def test_a_damaged_synth_chunk_is_named_not_trained_around(tmp_path: Path, damage: str) -> None:
+    """Training reads every chunk its manifest counts, or none: a chunk gone, cut short, replaced by another file or
+    by one with other rows, or one the run never wrote, is a user error naming it -- not a run on part of the data."""
+    from data.synth import check_synth_output, synth_chunks
+    from train.batches import load_rows
+
+    out = tmp_path / "synth"
+    _synth_output(out, [3, 3, 2])
+    assert [f.name for f in synth_chunks(out)] == [f"chunk-0000{i}.parquet" for i in range(3)]
+    assert len(load_rows(out, 16)) == 8
+    chunk = out / "data" / "chunk-00001.parquet"
+    if damage == "missing":
+        chunk.unlink()
+    elif damage == "truncated":
+        chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    elif damage == "not parquet":
+        chunk.write_text('{"input_ids": [1, 2]}\n')
+    elif damage == "fewer rows":
+        _synth_output(tmp_path / "other", [1])
+        chunk.write_bytes((tmp_path / "other" / "data" / "chunk-00000.parquet").read_bytes())
+    elif damage == "extra chunk":
+        chunk = out / "data" / "chunk-00003.parquet"
+        chunk.write_bytes((out / "data" / "chunk-00000.parquet").read_bytes())
+    else:
+        chunk = out / "heldout.jsonl"
+        text = chunk.read_text()
+        chunk.write_text(text[: len(text) - 20] if damage == "held-out cut" else text.splitlines(keepends=True)[0])
+    with pytest.raises(ConfigError) as err:
+        check_synth_output(out) if damage.startswith("held-out") else load_rows(out, 16)
+    msg = str(err.value)
+    named = "holds 6 rows where its manifest counts 8" if damage == "fewer rows" else chunk.name
+    assert named in msg and ("stage=synth" in msg or "remove it" in msg), msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,11 +110,109 @@ def test_cli_unknown_launcher_fails_at_startup() -> None:
 
 
 def test_cli_bad_value_is_a_message_not_a_traceback(tmp_path: Path) -> None:
-    """A value that only a stage can judge (checked after Hydra composes) still ends with a clear message, exit 2."""
-    res = _cli("stage=synth", "synth.top_p=1.5", "synth.max_new_tokens=0", f"hydra.run.dir={tmp_path}")
+    """Values outside their schema bounds, of this stage's keys and of later stages' (and the drafter's), are all
+    listed at once with a clear message, exit 2, before any stage does work."""
+    res = _cli(
+        "stage=synth",
+        "synth.top_p=1.5",
+        "synth.max_new_tokens=0",
+        "eval.k=0",
+        "drafter.tree_top_k=0",
+        "data.heldout_fraction=1",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "error: Invalid synth config" in res.stderr and "synth.top_p=1.5 must be in (0, 1]" in res.stderr
-    assert "max_new_tokens" in res.stderr and "Traceback" not in res.stderr + res.stdout
+    assert "error: Invalid config" in res.stderr and "synth.top_p=1.5 must be in (0, 1]" in res.stderr
+    for needle in ("synth.max_new_tokens=0 must be >= 1", "eval.k=0 must be >= 1", "drafter.tree_top_k=0 must"):
+        assert needle in res.stderr
+    assert "data.heldout_fraction=1.0 must be in [0, 1)" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout and not tmp_path.joinpath("manifest.json").exists()
+
+
+NO_BOUND = {"seed", "data.shuffle_seed", "eval.seed", "drafter.init_layer_from_target"}
+"""Numeric keys whose every value is meaningful (seeds; a layer index that counts from the end when negative)."""
+
+
+def _numeric_keys(cls: type, prefix: str = "") -> list[tuple[type, str, str]]:
+    """(owning dataclass, field, dotted key) of every int/float field of a config tree."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_origin, get_type_hints
+
+    out = []
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        parts = (tp, *getattr(tp, "__args__", ()))
+        sub = [a for a in parts if isinstance(a, type) and is_dataclass(a)]
+        if sub:  # a mapping of sections (data.sources) is probed at an entry named x
+            out.extend(_numeric_keys(sub[0], f"{prefix}{f.name}.{'x.' if get_origin(tp) is dict else ''}"))
+        elif any(a in (int, float) for a in parts) or any(int in getattr(a, "__args__", ()) for a in parts):
+            out.append((cls, f.name, f"{prefix}{f.name}"))
+    return out
+
+
+def _all_numeric_keys() -> list[tuple[type, str, str]]:
+    from train.config import drafter_config_class
+    from train.drafters import registry
+
+    keys = _numeric_keys(Config)
+    for name in registry.names():
+        keys += _numeric_keys(drafter_config_class(name), "drafter.")
+    return keys
+
+
+def test_every_numeric_key_has_bounds_in_the_schema() -> None:
+    """The schema carries a range for every numeric key (a new key without one fails here), and every shipped
+    default and every shipped config is inside its ranges."""
+    from data.config import bound_errors
+
+    missing = [key for cls, name, key in _all_numeric_keys() if name not in getattr(cls, "bounds", {})]
+    assert sorted(set(missing) - NO_BOUND) == []
+    assert sorted(NO_BOUND - set(missing)) == []  # the exemptions are still numeric keys without bounds
+    for cls, _, key in _all_numeric_keys():
+        assert bound_errors(cls(), key.rsplit(".", 1)[0] + ".") == [], key
+    for e in EXPERIMENTS:
+        assert bound_errors(compose([f"experiment={e}"])) == [], e
+
+
+def test_every_bound_refuses_a_value_just_outside_it() -> None:
+    """Each bound, probed on the composed config: the value just outside is refused naming the key, the edge value
+    (where closed) is accepted."""
+    import copy
+
+    from data.config import SourceConfig, bound_errors, check_bounds
+    from train.drafters import registry
+
+    bases = {}
+    for family in registry.names():
+        bases[family] = compose([f"drafter={family}"])
+        bases[family].data.sources = {"x": SourceConfig()}
+    probes = 0
+    for cls, name, key in _all_numeric_keys():
+        bound = getattr(cls, "bounds", {}).get(name)
+        if bound is None:
+            continue
+        base = next(b for b in bases.values() if not key.startswith("drafter.") or isinstance(b.drafter, cls))
+        owner_path = key.rsplit(".", 1)[0].split(".")
+        for lo_side in (True, False):
+            edge = bound.lo if lo_side else bound.hi
+            if edge is None:
+                continue
+            open_ = bound.lo_open if lo_side else bound.hi_open
+            step = 1 if isinstance(edge, int) and not isinstance(getattr(cls(), name) or 0, float) else 1e-6
+            outside = (edge if open_ else edge - step) if lo_side else (edge if open_ else edge + step)
+            cfg = copy.deepcopy(base)
+            owner: object = cfg
+            for part in owner_path:
+                owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
+            setattr(owner, name, [outside] if key.endswith("layer_ids") else outside)
+            with pytest.raises(ConfigError, match=re.escape(f"{key}=")):
+                check_bounds(cfg)
+            if not open_:
+                setattr(owner, name, [edge] if key.endswith("layer_ids") else edge)
+                assert not [e for e in bound_errors(cfg) if e.startswith(f"{key}=")], key
+            probes += 1
+    assert probes > 100
 
 
 def test_choice_values_are_enums_refused_with_the_choices() -> None:
@@ -173,3 +272,37 @@ def test_bad_values_are_collected() -> None:
     with pytest.raises(ConfigError) as err:
         validate_synth(cfg.synth)
     assert "top_p" in str(err.value) and "max_new_tokens" in str(err.value)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(p.stem for p in (CONF / "drafter").glob("*.yaml")))
+def test_the_cli_default_is_the_schema_default(family: str) -> None:
+    """One source of truth: what ``python -m train drafter=<family>`` composes with no other override is the config
+    a user gets in code (``Config()`` with that family's dataclass), key for key -- a value a YAML file sets
+    differently from the schema fails here. Only the groups' selections (the target and traffic) and paths that
+    the schema leaves as interpolations differ."""
+    from dataclasses import asdict
+
+    cli = compose([f"drafter={family}"])
+    code = Config()
+    code.drafter = type(cli.drafter)()
+    a, b = _flat(asdict(cli)), _flat(asdict(code))
+    selected = ("target.", "data.sources")
+    differ = {
+        k: (a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+        and not k.startswith(selected)
+        and not (isinstance(b.get(k), str) and "${" in b.get(k))  # a path the schema derives by interpolation
+    }
+    assert not differ, f"conf/ and the schema disagree (cli, code): {differ}"
+    assert a["drafter.name"] == family

@@ -16,15 +16,18 @@ from tests.test_train.runs import losses as _losses
 from tests.test_train.runs import ok as _ok
 from tests.test_train.runs import run_train as _run
 from tests.test_train.test_eagle_train import TRAIN
+from train.drafters.eagle3 import NORM_FLAGS
 
 pytestmark = pytest.mark.slow
 
 
 def _head(target, **kw):  # -> (spec, cfg, head)
+    """A head on the real target; the training options that are on by default (prompt loss, feature noise) off
+    unless asked, so that each test sees only the option it checks."""
     from train.drafters import registry
 
     spec = registry.get("eagle3")
-    cfg = spec.config_cls(**kw)
+    cfg = spec.config_cls(**{"loss_on_prompt": False, "feature_noise": 0.0, **kw})
     torch.manual_seed(0)
     return spec, cfg, spec.build(cfg, target.model).float().eval()
 
@@ -55,12 +58,35 @@ def test_layer_ids_are_the_heads_own_and_saved(target, tmp_path) -> None:
     assert spec.load(str(tmp_path / "h"), target.model, None).layer_ids == [3, 10, 20]
 
 
+def test_a_head_saved_before_a_key_existed_loads_with_what_it_was_trained_with(target, tmp_path) -> None:
+    """The norms, prompt loss and feature noise are on by default now; a head whose config.json predates those keys
+    (saved without the norms) still loads without them -- eval and export use the math it was trained with, and
+    its weights load with nothing missing -- while a current save round-trips its own values."""
+    from train.drafters import registry
+
+    spec = registry.get("eagle3")
+    assert spec.config_cls().norm_before_fc and spec.config_cls().feature_noise > 0
+    _, cfg, head = _head(target, draft_vocab_size=256, **dict.fromkeys(NORM_FLAGS, False))
+    spec.save(head, str(tmp_path / "old"), cfg)
+    meta = json.loads((tmp_path / "old" / "config.json").read_text())
+    for key in (*NORM_FLAGS, "loss_on_prompt", "feature_noise"):
+        meta["draftsmith"]["drafter"].pop(key)
+    (tmp_path / "old" / "config.json").write_text(json.dumps(meta))
+    _, loaded, dcfg = registry.load_drafter(str(tmp_path / "old"), target)
+    assert loaded.input_norm is None and not dcfg.norm_before_fc and not dcfg.loss_on_prompt
+    assert dcfg.feature_noise == 0.0
+    cfg = spec.config_cls(draft_vocab_size=256)
+    spec.save(spec.build(cfg, target.model), str(tmp_path / "new"), cfg)
+    _, loaded, dcfg = registry.load_drafter(str(tmp_path / "new"), target)
+    assert loaded.input_norm is not None and dcfg.norm_output and dcfg.feature_noise == 0.3
+
+
 @pytest.mark.parametrize("norms", [False, True])
 def test_ttt_step_equals_inference_drafting(target, norms: bool) -> None:
     """Entry t of TTT step 1 must be exactly what the head computes when it drafts one token after committing
     rows 0..t at inference (own feature, own key at position t+1, the committed keys at positions <= t); with
     speculators' three optional norms too."""
-    from train.drafters.eagle3 import NORM_FLAGS, ttt_mask
+    from train.drafters.eagle3 import ttt_mask
 
     _, _, head = _head(target, draft_vocab_size=1024, **dict.fromkeys(NORM_FLAGS, norms))
     assert (head.input_norm is not None) == norms and head.midlayer.norm_before_residual == norms

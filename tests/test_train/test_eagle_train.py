@@ -100,8 +100,8 @@ def test_loss_on_prompt_and_feature_noise_change_only_what_they_claim(target) ->
     batch = TrainBatch(ids, am, lm)
     spec = registry.get("eagle")
 
-    def loss(train: bool, **kw) -> tuple[float, int]:
-        cfg = spec.config_cls(**kw)
+    def loss(train: bool, **kw) -> tuple[float, int]:  # both options off unless asked (they are on by default)
+        cfg = spec.config_cls(**{"loss_on_prompt": False, "feature_noise": 0.0, **kw})
         torch.manual_seed(0)
         head = spec.build(cfg, target.model).float().train(train)
         torch.manual_seed(1)

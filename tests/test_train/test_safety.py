@@ -239,7 +239,7 @@ def test_resume_checks_config_refuses_planted_pickles_and_skips_corrupt_checkpoi
     assert resume["changed"] == {"train.max_steps": [4, 5], "train.save_every": [2, 1]}  # safe keys, recorded
     assert (ckpts / "step-000005").is_dir() and (run / "best" / "model.safetensors").is_file()
     assert (ckpts / ".step-000004.corrupt" / "state" / "optimizer.bin").is_file()  # set aside, not resumed again
-    assert not (ckpts / ".step-000006.tmp").exists() and "removing the unfinished checkpoint" in out
+    assert not (ckpts / ".step-000006.tmp").exists() and "a write of" in out and ".step-000006.tmp" in out
 
 
 def test_resume_treats_a_newer_key_at_its_default_as_unchanged(tmp_path: Path) -> None:
@@ -269,7 +269,10 @@ def test_empty_heldout_split_trains_without_checks_and_leaves_best_and_manifest(
 ) -> None:
     synth = tmp_path / "synth"
     shutil.copytree(synth_dir, synth, ignore=shutil.ignore_patterns(".lock", "replay"))
-    (synth / "heldout.jsonl").write_text("")
+    (synth / "heldout.jsonl").write_text("")  # as synth writes it when the split is empty: counted 0
+    manifest = json.loads((synth / "manifest.json").read_text())
+    manifest["counts"]["heldout"] = 0
+    (synth / "manifest.json").write_text(json.dumps(manifest))
     run = tmp_path / "train"
     res = _run(
         [*TRAIN, f"synth_dir={synth}", f"hydra.run.dir={run}", "train.max_steps=2", "train.eval_every=1"], run_env

@@ -28,9 +28,9 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from data.config import Choices, ConfigError
+from data.config import Bound, Choices, ConfigError, at_least
 from data.target import output_head
-from eval.config import Decode
+from eval.config import DRAFT_SHAPE_BOUNDS, Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from train.drafters.eagle3 import target_decoder
 from train.drafters.layers import KV, DraftLayer, draft_layer_config, noise_features
@@ -45,6 +45,14 @@ class EagleConfig(Choices):
     """EAGLE-1/2 head and its decoding settings."""
 
     config_key: ClassVar[str] = "drafter"
+    bounds: ClassVar[dict[str, Bound]] = {
+        "num_layers": at_least(1),
+        **{k: at_least(0) for k in ("regression_weight", "ce_weight", "feature_noise")},
+        **DRAFT_SHAPE_BOUNDS,
+    }
+
+    absent_means: ClassVar[dict[str, Any]] = {"loss_on_prompt": False, "feature_noise": 0.0}
+    """What a saved head's config.json that lacks a key was trained with (heads saved before the key existed)."""
 
     name: str = "eagle"
     num_layers: int = 1
@@ -52,12 +60,12 @@ class EagleConfig(Choices):
     """Weight of the SmoothL1 feature-regression loss (EAGLE: 1.0)."""
     ce_weight: float = 0.1
     """Weight of the cross-entropy against the target's next-token distribution (EAGLE: 0.1)."""
-    loss_on_prompt: bool = False
+    loss_on_prompt: bool = True
     """Also train at prompt positions: the target's feature and next-token distribution after each prompt token
     are as much the target's as after its own tokens (they are computed anyway); off = only where the token two
-    ahead is target-written (EAGLE's rule). ``conf/drafter/eagle.yaml`` (``drafter=eagle``) turns it on, with
-    ``feature_noise=0.3``: together they won at equal steps (BENCHMARKS); a config built in code keeps both off."""
-    feature_noise: float = 0.0
+    ahead is target-written (EAGLE's rule). On, with ``feature_noise=0.3``: together they won at equal steps
+    (BENCHMARKS)."""
+    feature_noise: float = 0.3
     """Training only: Gaussian noise on the input features f[t], its std this fraction of each token's RMS (EAGLE
     trains on noised features, uniform +-0.1; the regression target stays clean); 0 = none."""
     init_from_target: bool = False

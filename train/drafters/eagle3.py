@@ -40,8 +40,8 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from data.config import Choices, ConfigError
-from eval.config import Decode
+from data.config import Bound, Choices, ConfigError, above, at_least, between
+from eval.config import DRAFT_SHAPE_BOUNDS, Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from eval.shared_past import SharedPast
 from train.drafters.layers import (
@@ -63,6 +63,22 @@ class Eagle3Config(Choices):
     """EAGLE-3 head and its decoding settings."""
 
     config_key: ClassVar[str] = "drafter"
+    bounds: ClassVar[dict[str, Bound]] = {
+        "layer_ids": at_least(0),
+        "draft_vocab_size": at_least(0, "0: the full vocabulary"),
+        "ttt_steps": at_least(1),
+        "ttt_decay": above(0),
+        **{k: at_least(0) for k in ("feature_noise", "feature_loss", "ttt_align_topk")},
+        "dropout": between(0, 1, hi_open=True),
+        "teacher_temperature": above(0),
+        **DRAFT_SHAPE_BOUNDS,
+    }
+
+    absent_means: ClassVar[dict[str, Any]] = {
+        **dict.fromkeys(("norm_before_fc", "norm_before_residual", "norm_output", "loss_on_prompt"), False),
+        "feature_noise": 0.0,
+    }
+    """What a saved head's config.json that lacks a key was trained with (heads saved before the key existed)."""
 
     name: str = "eagle3"
     layer_ids: list[int] | None = None
@@ -81,13 +97,11 @@ class Eagle3Config(Choices):
     other rule at the quickstart budget, BENCHMARKS), and then the target's LM head is only projected onto the
     draft vocabulary's rows; off = SpecForge's rule, only where the draft vocabulary can hold the target's top
     token (needs the full projection to know)."""
-    loss_on_prompt: bool = False
+    loss_on_prompt: bool = True
     """Also train at prompt positions, against the target's distribution after each prompt token (its features are
     computed anyway): more supervised positions per step, at the cost of unrolling every entry; off = only where
-    the next token is target-written (EAGLE, SpecForge, speculators). ``conf/drafter/eagle3.yaml`` (what
-    ``drafter=eagle3`` composes) turns it on: it won at equal steps (BENCHMARKS); a config built in code keeps
-    the narrower rule unless asked."""
-    feature_noise: float = 0.0
+    the next token is target-written (EAGLE, SpecForge, speculators). On: it won at equal steps (BENCHMARKS)."""
+    feature_noise: float = 0.3
     """Training only: Gaussian noise on each fused target layer, its std this fraction of the token's RMS in that
     layer (EAGLE trains its feature head on noised target features, uniform +-0.1); 0 = none."""
     dropout: float = 0.0
@@ -118,14 +132,14 @@ class Eagle3Config(Choices):
     freeze_lm_head: bool = False
     """Keep the draft LM head at the target's rows for the draft vocabulary (speculators' default) instead of
     training it: about half the trainable parameters fewer."""
-    # The three norms are on in conf/drafter/eagle3.yaml (the default a run gets); off here so that a head saved
-    # before they existed (its config.json lacks them) loads with the math it was trained with.
-    norm_before_fc: bool = False
+    # The three norms are on by default; a head saved before they existed (its config.json lacks them) loads with
+    # them off, the math it was trained with (absent_means).
+    norm_before_fc: bool = True
     """An RMSNorm (``input_norm``, k*H wide) on the concatenated target layers before ``fc`` (speculators'
     trainer default for EAGLE-3; vLLM reads the same flag)."""
-    norm_before_residual: bool = False
+    norm_before_residual: bool = True
     """The residual of the draft layer is ``hidden_norm(h)`` instead of ``h`` (speculators' trainer default)."""
-    norm_output: bool = False
+    norm_output: bool = True
     """Feed ``norm(h')`` back as the next step's feature (and take logits from it) instead of the pre-norm
     ``h'`` (speculators' trainer default: keeps the feature's magnitude from drifting over the steps)."""
     decode: Decode = Decode.tree

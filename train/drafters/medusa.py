@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from data.config import Choices, ConfigError
+from data.config import Bound, Choices, ConfigError, above, at_least
 from data.target import output_head
-from eval.config import Decode
+from eval.config import DRAFT_SHAPE_BOUNDS, Decode
 from eval.proposers.medusa import MedusaProposer, rank_prior
 from eval.tree import static_tree_paths_to_parents
 from train.drafters.layers import soft_cross_entropy
@@ -50,6 +50,12 @@ class MedusaConfig(Choices):
     """Medusa heads on the frozen target's last hidden state, and their decoding settings."""
 
     config_key: ClassVar[str] = "drafter"
+    bounds: ClassVar[dict[str, Bound]] = {
+        "num_heads": at_least(1),
+        "num_layers": at_least(1),
+        "loss_decay": above(0),
+        **DRAFT_SHAPE_BOUNDS,
+    }
 
     name: str = "medusa"
     num_heads: int = 4

@@ -19,6 +19,7 @@ import torch
 
 from data.config import ConfigError
 from eval.proposers.draft_model import check_vocab_compatibility
+from train.drafters.saving import saved_config
 
 if TYPE_CHECKING:
     from data.target import Target
@@ -143,7 +144,7 @@ def load_drafter(directory: str, target: Target) -> tuple[Any, torch.nn.Module, 
     if not meta:
         raise ValueError(f"{path}/config.json does not say which drafter family it holds (draftsmith.drafter)")
     spec = get(meta["name"])
-    dcfg = spec.config_cls(**meta)
+    dcfg = saved_config(spec.config_cls, meta)
     if (path / "tokenizer_config.json").is_file():  # a drafter that carries a tokenizer must carry the target's
         from transformers import AutoTokenizer
 

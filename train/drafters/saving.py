@@ -61,6 +61,12 @@ class SavedHead:
         return dict(self.meta.get("draftsmith") or {})
 
 
+def saved_config(config_cls: type, saved: Mapping[str, Any]) -> Any:
+    """The drafter config a saved head was trained with: its saved keys, and for a key it lacks (a head saved before
+    the key existed) what the code did then (the family's ``absent_means``), not today's default."""
+    return config_cls(**{**getattr(config_cls, "absent_means", {}), **saved})
+
+
 def read_head(directory: str | Path, config_cls: type, target_config: Any, what: str) -> SavedHead:
     """Read a saved head; refuse one trained for a target of another hidden or vocabulary size."""
     path = Path(directory)
@@ -71,7 +77,7 @@ def read_head(directory: str | Path, config_cls: type, target_config: Any, what:
             f"{what} in {path} was trained for hidden_size={hidden}, vocab_size={vocab}; this target has "
             f"{target_config.hidden_size}, {target_config.vocab_size}"
         )
-    cfg = config_cls(**((meta.get("draftsmith") or {}).get("drafter") or {}))
+    cfg = saved_config(config_cls, (meta.get("draftsmith") or {}).get("drafter") or {})
     return SavedHead(path, meta, cfg, read_weights(path))
 
 

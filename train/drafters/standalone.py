@@ -38,8 +38,8 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from data.atomic import atomic_write_json
-from data.config import Choice, Choices, ConfigError
-from eval.config import Decode
+from data.config import Bound, Choice, Choices, ConfigError, at_least
+from eval.config import DRAFT_SHAPE_BOUNDS, Decode
 from eval.proposers.draft_model import DraftModelProposer, check_vocab_compatibility
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 
@@ -63,6 +63,12 @@ class StandaloneConfig(Choices):
     """A small causal LM with the target's tokenizer, distilled on the synth data."""
 
     config_key: ClassVar[str] = "drafter"
+    bounds: ClassVar[dict[str, Bound]] = {
+        **{k: at_least(1) for k in ("num_layers", "hidden_size", "intermediate_size")},
+        **{k: at_least(1) for k in ("num_attention_heads", "num_key_value_heads")},
+        "layer_ids": at_least(0),
+        **DRAFT_SHAPE_BOUNDS,
+    }
     name: str = "standalone"
     init: Init = Init.target
     """target (embeddings, LM head and ``layer_ids`` copied from the target) | scratch | pretrained

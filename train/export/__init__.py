@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data.atomic import atomic_dir
+from data.atomic import atomic_dir, sweep_unfinished
 from data.config import ConfigError
 from data.manifest import write_manifest
 from data.target import load_target
@@ -92,6 +92,7 @@ def export_drafter(src: Source, fmt: Format, out_dir: Path, verify: bool = True)
     required = fmt.required(src)
     check_tensors(where, weights, required)
     result: dict[str, Any] = {"format": fmt.name, "family": fmt.family, "out_dir": str(out_dir)}
+    sweep_unfinished(out_dir.parent, names=(out_dir.name,))  # what a killed export of out_dir left behind
     with atomic_dir(out_dir) as tmp:
         fmt.write(src, tmp, weights)
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
