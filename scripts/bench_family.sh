@@ -2,7 +2,7 @@
 # One drafter family trained and judged on an experiment's synth data (made once by
 # `python3 -m train stage=synth experiment=<exp> runs_root=<runs>`, or stage=all; the script stops at once,
 # naming that command, when <runs>/<exp>/synth/manifest.json is missing). <runs> is $RUNS_ROOT, default runs:
-#   [RUNS_ROOT=runs] bash scripts/bench_family.sh <eagle|eagle3|medusa|standalone> [quickstart|cpu_1h] [extra overrides...]
+#   [RUNS_ROOT=runs] bash scripts/bench_family.sh <eagle|eagle3|medusa|standalone|dflash> [quickstart|cpu_1h] [extra overrides...]
 # Writes <runs>/<exp>_<family>/{features,train,eval}; the eval table has the chain (K=5) and the family's default
 # tree, prompt lookup as the floor, plain decoding as the baseline, on the experiment's held-out prompts.
 set -euo pipefail

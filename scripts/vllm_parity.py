@@ -12,8 +12,9 @@ Two halves, two environments:
   the pipeline trained: our side decodes with the family's own proposer (``train.drafters.registry.load_drafter`` +
   ``spec.proposer`` with ``decode=chain, chain_k=K``, exactly as the eval stage does), the engine side serves the
   drafter's export (made with the export stage's machinery into ``OUT/export_<format>``, or ``--export-dir``):
-  an EAGLE-3 head in the speculators format (``{"method": "eagle3", "model": dir}``), a standalone draft as its
-  ``hf`` directory (``{"model": dir}``).
+  an EAGLE-3 head in the speculators format (``{"method": "eagle3", "model": dir}``), a DFlash draft in the same
+  format (``{"method": "dflash", ...}``, K = its ``block_size - 1``), a standalone draft as its ``hf`` directory
+  (``{"model": dir}``).
 * ``.venv-engine/bin/python scripts/vllm_parity.py engine ...`` serves the target in vLLM (fp32, eager) with
   ``speculative_config={"model": draft, "num_speculative_tokens": K}`` (plus ``"method"`` when given), sends
   the same prompt token ids one request at a time at temperature 0, and reads vLLM's spec-decode counters
@@ -154,6 +155,10 @@ def drafter_proposer(target: Any, drafter_dir: Path, k: int) -> Any:
     from train.drafters.registry import load_drafter
 
     spec, module, dcfg = load_drafter(str(drafter_dir), target)
+    block = getattr(module, "block_size", None)
+    if spec.name == "dflash" and k != block - 1:
+        # vLLM's DFlash drafts with a block of K + 1 tokens; the draft was trained (and ours drafts) with its own
+        raise SystemExit(f"a DFlash draft trained with block_size={block} is served with K={block - 1}; got --k {k}")
     d = copy.copy(dcfg)
     d.decode, d.chain_k = "chain", k
     return spec.proposer(module, target.model, d)
@@ -166,6 +171,7 @@ def engine_format(family: str) -> tuple[str, str | None]:
         "standalone": ("hf", None),
         "eagle": ("vllm_eagle", "eagle"),
         "medusa": ("vllm_medusa", "medusa"),
+        "dflash": ("speculators", "dflash"),
     }
     if family not in formats:
         raise SystemExit(f"vLLM parity covers {', '.join(formats)} drafters, not {family!r}")

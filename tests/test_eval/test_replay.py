@@ -33,7 +33,12 @@ FAMILY_KW = {
     "eagle3": {"draft_vocab_size": 2048, "ttt_steps": 2, **ANSWERS_ONLY, **dict.fromkeys(NORM_FLAGS, False)},
     "medusa": {"num_heads": 4},
     "standalone": {"num_layers": 2, "gradient_checkpointing": False},
+    "dflash": {"draft_vocab_size": 2048, "block_size": 5, "anchors_per_row": 64, "loss_gamma": 1.0},
 }
+FIT_STEPS = {"dflash": 80}
+DEPTH = {"dflash": 2}
+"""DFlash reads the context through its attention alone (no residual path from the target's features): fitted like
+the heads it accepts 2-deep drafts, its later block positions learn slowly (BENCHMARKS)."""
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +114,7 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
     eos = target.tokenizer.eos_token_id
     spec = registry.get(family)
     base = {"chain_k": 4, "tree_depth": 4, "tree_top_k": 3, "tree_total_tokens": 10, **FAMILY_KW[family]}
-    module = _fit(spec, spec.config_cls(**base), target, prompts, conts)
+    module = _fit(spec, spec.config_cls(**base), target, prompts, conts, FIT_STEPS.get(family, 40))
     deepest = 0
     refs = {}
     for mode in ("chain", "tree"):
@@ -125,7 +130,8 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
             assert tokens == ref.tokens
             _same(stats, ref.stats)
             deepest = max(deepest, max(stats.accepted_lengths, default=0))
-    assert deepest >= 3, f"{family}: the fitted drafter should accept deep drafts (deepest {deepest})"
+    need = DEPTH.get(family, 3)
+    assert deepest >= need, f"{family}: the fitted drafter should accept deep drafts (deepest {deepest} < {need})"
 
     # many prompts at once: the feature heads draft for all of them in one batched head call per position / depth
     # (their replayer); the other families run in lockstep lanes (eval/lanes.py), linear layers batched across

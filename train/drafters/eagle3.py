@@ -29,9 +29,7 @@ Parameter names follow SGLang's EAGLE-3 layout (``midlayer.*``, ``fc``, ``norm``
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,11 +47,13 @@ from train.drafters.layers import (
     DraftAttention,
     draft_layer_config,
     gather_rows,
+    lm_head_rows,
     noise_features,
     soft_cross_entropy,
 )
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
+from train.drafters.vocab import build_vocab, check_vocab_maps, layer_ids_for, vocab_hash
 
 logger = logging.getLogger(__name__)
 
@@ -150,30 +150,13 @@ class Eagle3Config(Choices):
     tree_total_tokens: int = 16
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """The target layers EAGLE-3 fuses unless told otherwise: ``(2, N//2, N-3)`` (HF ``hidden_states`` indices),
-    the choice of vLLM, SGLang and speculators for an N-layer target."""
-    n = int(num_layers)
-    return [2, n // 2, n - 3]
-
-
 def resolve_layer_ids(cfg: Eagle3Config, target_config: Any) -> list[int]:
-    n = int(target_config.num_hidden_layers)
-    ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(n)
-    bad = [i for i in ids if not 0 <= int(i) <= n]
-    if bad or not ids:
-        raise ConfigError(f"drafter.layer_ids={ids}: every id must be in 0..{n} (HF hidden_states indices)")
-    return [int(i) for i in ids]
+    return layer_ids_for(cfg.layer_ids, target_config)
 
 
 def draft_vocab(cfg: Eagle3Config, target_config: Any) -> int:
     v = int(target_config.vocab_size)
     return v if cfg.draft_vocab_size <= 0 or cfg.draft_vocab_size >= v else int(cfg.draft_vocab_size)
-
-
-def vocab_hash(d2t: torch.Tensor) -> str:
-    """A short hash of the draft->target map, stored in config.json and checked against the tensors on load."""
-    return hashlib.sha256(d2t.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 class Eagle3Layer(nn.Module):
@@ -384,43 +367,6 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
     return head.to(next(target.parameters()).dtype)
 
 
-def build_vocab(rows: list[Any], vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The draft vocabulary: the ``draft_vocab_size`` most frequent target-written tokens of ``rows`` (ties by
-    lower id), topped up with the most frequent prompt tokens, then the lowest unused ids; sorted ascending.
-
-    Returns the target ids ``[draft_vocab_size]`` and coverage figures."""
-    written: Counter[int] = Counter()
-    other: Counter[int] = Counter()
-    for r in rows:
-        for tok, m in zip(r.input_ids, r.loss_mask, strict=True):
-            (written if m else other)[tok] += 1
-    chosen: list[int] = [t for t, _ in sorted(written.items(), key=lambda kv: (-kv[1], kv[0]))][:draft_vocab_size]
-    seen = set(chosen)
-    for t, _ in sorted(other.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(chosen) >= draft_vocab_size:
-            break
-        if t not in seen:
-            chosen.append(t)
-            seen.add(t)
-    nxt = 0
-    while len(chosen) < draft_vocab_size:
-        if nxt not in seen:
-            chosen.append(nxt)
-            seen.add(nxt)
-        nxt += 1
-    ids = torch.tensor(sorted(chosen), dtype=torch.long)
-    total = sum(written.values())
-    covered = sum(c for t, c in written.items() if t in seen)
-    info = {
-        "draft_vocab_size": draft_vocab_size,
-        "distinct_target_written_tokens": len(written),
-        "target_written_token_coverage": round(covered / max(1, total), 5),
-    }
-    if any(t >= vocab_size for t in chosen):
-        raise ValueError(f"training data holds token ids >= the target vocabulary ({vocab_size})")
-    return ids, info
-
-
 def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config, target: Any) -> dict[str, Any]:
     """Build d2t/t2d from the training rows and initialise the draft LM head from the target's LM head rows
     of the chosen draft vocabulary."""
@@ -444,16 +390,6 @@ def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config, target: Any) ->
 COVERAGE_SAMPLE = 16
 """Positions per batch on which ``vocab_coverage`` is measured when ``loss_all_positions`` needs no full
 projection."""
-
-
-def _draft_rows(lm_head: nn.Module, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """The target's logits for the draft vocabulary only: ``lm_head(x)[:, target_ids]`` (fp32) without the
-    other rows' arithmetic."""
-    weight = lm_head.weight[target_ids]
-    bias = lm_head.bias[target_ids] if getattr(lm_head, "bias", None) is not None else None
-    logits = nn.functional.linear(x, weight, bias)
-    finish = getattr(lm_head, "finish", None)  # the architecture's logit transform (softcapping, scaling)
-    return (finish(logits) if finish is not None else logits).float()
 
 
 def ttt_mask(T: int, step: int, device: torch.device) -> torch.Tensor:
@@ -512,7 +448,7 @@ def loss_fn(
                 # 49,152 for the default: the full projection was ~a fifth of a training step's arithmetic).
                 # Whether the target's top token is in the draft vocabulary is only a metric then, estimated
                 # from the first COVERAGE_SAMPLE positions of the batch.
-                t_rows = torch.softmax(_draft_rows(feats.lm_head, x_last, target_ids) / tt, -1)
+                t_rows = torch.softmax(lm_head_rows(feats.lm_head, x_last, target_ids) / tt, -1)
                 top = feats.lm_head(x_last[:COVERAGE_SAMPLE]).argmax(-1)
                 coverage = core.t2d.to(dev)[top].float().mean()
             else:
@@ -617,25 +553,6 @@ def save(head: nn.Module, directory: str, cfg: Eagle3Config, target: Any = None)
     }
     extra = {"d2t_hash": vocab_hash(core.d2t.cpu()), "layer_ids": core.layer_ids}
     save_head(core, directory, cfg, conf, extra, skip=("embed_tokens.",))
-
-
-def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
-    """Refuse a d2t/t2d pair that is not a consistent, sorted, in-range map of ``draft_vocab_size`` entries."""
-    problems = []
-    if d2t.dtype not in (torch.int64, torch.int32) or d2t.shape != (draft_vocab_size,):
-        problems.append(f"d2t must be int64[{draft_vocab_size}], got {d2t.dtype}{list(d2t.shape)}")
-    if t2d.shape != (vocab_size,):
-        problems.append(f"t2d must have the target's vocabulary size {vocab_size}, got {list(t2d.shape)}")
-    if not problems:
-        tid = torch.arange(draft_vocab_size) + d2t.long()
-        if tid.min() < 0 or tid.max() >= vocab_size:
-            problems.append("d2t maps draft ids outside the target vocabulary")
-        elif draft_vocab_size > 1 and not bool((tid[1:] > tid[:-1]).all()):
-            problems.append("d2t does not map to strictly increasing target ids (duplicates or unsorted)")
-        elif int(t2d.bool().sum()) != draft_vocab_size or not bool(t2d.bool()[tid].all()):
-            problems.append("t2d does not mark exactly the target ids that d2t maps to")
-    if problems:
-        raise ValueError("corrupt EAGLE-3 vocabulary map: " + "; ".join(problems))
 
 
 def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3Head:

@@ -170,6 +170,16 @@ def noise_features(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x + torch.randn_like(x) * (scale * x.pow(2).mean(-1, keepdim=True).sqrt())
 
 
+def lm_head_rows(lm_head: nn.Module, x: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """The target's logits for some vocabulary rows only (a draft vocabulary): ``lm_head(x)[:, target_ids]``
+    (fp32) without the other rows' arithmetic."""
+    weight = lm_head.weight[target_ids]
+    bias = lm_head.bias[target_ids] if getattr(lm_head, "bias", None) is not None else None
+    logits = nn.functional.linear(x, weight, bias)
+    finish = getattr(lm_head, "finish", None)  # the architecture's logit transform (softcapping, scaling)
+    return (finish(logits) if finish is not None else logits).float()
+
+
 def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[b, index[b, i]]`` for ``t`` ``[B, T, ...]`` and ``index`` ``[B, Q]``: ``[B, Q, ...]``."""
     return t[torch.arange(t.shape[0], device=t.device)[:, None], index]

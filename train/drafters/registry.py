@@ -98,7 +98,7 @@ def register(spec: DrafterSpec) -> DrafterSpec:
     return spec
 
 
-BUILTIN = ("eagle", "eagle3", "medusa", "standalone")
+BUILTIN = ("eagle", "eagle3", "medusa", "standalone", "dflash")
 """Families that ship with the project: ``train/drafters/<name>.py``, each registering itself on import (its
 :class:`DrafterSpec` carries the config dataclass, the training and decoding functions and its export module).
 This tuple is the only list of families: the Hydra schemas, the CLI checks and the exporters read the registry.

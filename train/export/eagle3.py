@@ -46,16 +46,10 @@ from typing import Any
 import torch
 
 from data.atomic import atomic_write_json
-from train.drafters.eagle3 import (
-    Eagle3Config,
-    Eagle3Head,
-    check_vocab_maps,
-    default_layer_ids,
-    norm_flags,
-    vocab_hash,
-)
+from train.drafters.eagle3 import Eagle3Config, Eagle3Head, norm_flags
 from train.drafters.layers import draft_layer_config
 from train.drafters.saving import load_state
+from train.drafters.vocab import check_vocab_maps, default_layer_ids, vocab_hash
 from train.export.core import (
     LLAMA_LAYER,
     ExportError,
