@@ -43,7 +43,14 @@ from eval.proposers.dflash import DFlashProposer
 from train.drafters.layers import KV, draft_layer_config, lm_head_rows, noise_features, soft_cross_entropy
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
-from train.drafters.vocab import build_vocab, check_vocab_maps, layer_ids_for, vocab_hash
+from train.drafters.vocab import (
+    DraftVocab,
+    check_saved_vocab,
+    fused_features,
+    init_draft_vocab,
+    layer_ids_for,
+    vocab_hash,
+)
 
 
 @dataclass
@@ -155,7 +162,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashHead(nn.Module):
+class DFlashHead(DraftVocab, nn.Module):
     """The draft: ``fc`` + ``hidden_norm`` over the target layers, ``num_layers`` block layers, ``norm``, ``lm_head``
     over the draft vocabulary (speculators' parameter names; the frozen embedding is the target's, not saved)."""
 
@@ -192,16 +199,8 @@ class DFlashHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config)
 
     @property
-    def draft_vocab_size(self) -> int:
-        return int(self.lm_head.out_features)
-
-    @property
     def mask_token_id(self) -> int:
         return int(self.mask_token[0])
-
-    def target_ids(self) -> torch.Tensor:
-        """Target-vocabulary id of every draft-vocabulary entry, ``[draft_vocab_size]``."""
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``[..., k*H]`` concatenated target layers -> ``[..., H]`` context rows."""
@@ -230,13 +229,6 @@ class DFlashHead(nn.Module):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
-
-    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits placed in the target's vocabulary (``-inf`` outside the draft vocabulary)."""
-        d = self.draft_logits(h).float()
-        out = torch.full((*d.shape[:-1], self.t2d.numel()), float("-inf"), device=d.device)
-        out[..., self.target_ids()] = d
-        return out
 
     def block_logits(self, anchors: torch.Tensor, positions: torch.Tensor, ctx: list[KV]) -> torch.Tensor:
         """Target-vocabulary logits ``[N, block_size - 1, V]`` of the tokens after each anchor (``[N]``, at
@@ -281,21 +273,10 @@ def prepare(head: nn.Module, rows: list[Any], cfg: DFlashConfig, target: Any) ->
     """The draft vocabulary and ``d2t``/``t2d`` from the training rows (the draft LM head starts at the target's
     rows), and the mask token when the config leaves it to the data."""
     assert isinstance(head, DFlashHead)
-    V, vd = head.t2d.numel(), head.draft_vocab_size
-    if vd == V:
-        ids = torch.arange(V)
-        info: dict[str, Any] = {"draft_vocab_size": V, "target_written_token_coverage": 1.0}
-    else:
-        ids, info = build_vocab(rows, V, vd)
-    mask = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(rows, V)
+    info = init_draft_vocab(head, rows, target)
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else unused_token(rows, head.t2d.numel())
     with torch.no_grad():
-        head.d2t.copy_(ids - torch.arange(vd))
-        head.t2d.zero_()
-        head.t2d[ids] = True
-        src = target.get_output_embeddings().weight
-        head.lm_head.weight.copy_(src[ids.to(src.device)].to(head.lm_head.weight))
         head.mask_token.fill_(int(mask))
-    info["d2t_hash"] = vocab_hash(head.d2t.cpu())
     info["mask_token_id"] = int(mask)
     return info
 
@@ -412,18 +393,9 @@ def save(head: nn.Module, directory: str, cfg: DFlashConfig, target: Any = None)
 def load(directory: str, target: Any, cfg: DFlashConfig | None = None) -> DFlashHead:
     saved = read_head(directory, DFlashConfig, target.config, "DFlash draft")
     path, meta, state, tcfg = saved.path, saved.meta, saved.state, target.config
-    for key in ("d2t", "t2d", "lm_head.weight", "mask_token"):
-        if key not in state:
-            raise ValueError(f"DFlash checkpoint {path} lacks {key}")
-    vd = int(state["lm_head.weight"].shape[0])
-    if vd != int(meta.get("draft_vocab_size", -1)):
-        raise ValueError(
-            f"{path}: lm_head has {vd} rows but config.json says draft_vocab_size={meta.get('draft_vocab_size')}"
-        )
-    check_vocab_maps(state["d2t"], state["t2d"], vd, tcfg.vocab_size)
-    expected = saved.recorded.get("d2t_hash")
-    if expected is not None and vocab_hash(state["d2t"]) != expected:
-        raise ValueError(f"{path}: d2t does not match the vocabulary the draft was trained with (hash {expected})")
+    if "mask_token" not in state:
+        raise ValueError(f"DFlash checkpoint {path} lacks mask_token")
+    vd = check_saved_vocab(state, meta, saved.recorded.get("d2t_hash"), tcfg.vocab_size, f"DFlash checkpoint {path}")
     layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.")})
     head = DFlashHead(
         tcfg,
@@ -441,11 +413,7 @@ def load(directory: str, target: Any, cfg: DFlashConfig | None = None) -> DFlash
 def make_proposer(head: nn.Module, target: Any, cfg: DFlashConfig) -> DFlashProposer:
     assert isinstance(head, DFlashHead)
     layer_ids = head.layer_ids
-    n = target.config.num_hidden_layers
-
-    def feature_fn(hs: dict[int | str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([hs["last"] if i == n and i not in hs else hs[i] for i in layer_ids], dim=-1)
-
+    feature_fn = fused_features(layer_ids, target.config.num_hidden_layers)
     return DFlashProposer(head, cfg, feature_fn=feature_fn, aux_hidden_layers=layer_ids)
 
 

@@ -53,7 +53,14 @@ from train.drafters.layers import (
 )
 from train.drafters.registry import DrafterSpec, TargetFeatures, TrainBatch, register
 from train.drafters.saving import load_state, read_head, save_head
-from train.drafters.vocab import build_vocab, check_vocab_maps, layer_ids_for, vocab_hash
+from train.drafters.vocab import (
+    DraftVocab,
+    check_saved_vocab,
+    fused_features,
+    init_draft_vocab,
+    layer_ids_for,
+    vocab_hash,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +218,7 @@ def norm_flags(cfg: Any) -> dict[str, bool]:
     return {k: bool(get(k, False)) for k in NORM_FLAGS}
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocab, nn.Module):
     def __init__(
         self, target_config: Any, layer_ids: list[int], draft_vocab_size: int, norms: dict[str, bool] | None = None
     ) -> None:
@@ -237,14 +244,6 @@ class Eagle3Head(nn.Module):
         t2d[:draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.rotary = LlamaRotaryEmbedding(config)
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return int(self.lm_head.out_features)
-
-    def target_ids(self) -> torch.Tensor:
-        """Target-vocabulary id of every draft-vocabulary entry, ``[draft_vocab_size]``."""
-        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(
         self,
@@ -273,13 +272,6 @@ class Eagle3Head(nn.Module):
         """Logits over the draft vocabulary, ``[..., draft_vocab_size]`` (``h`` is already normed with
         ``norm_output``)."""
         return self.lm_head(h if self.norms["norm_output"] else self.norm(h))
-
-    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft logits placed in the target's vocabulary (``-inf`` outside the draft vocabulary)."""
-        d = self.draft_logits(h).float()
-        out = torch.full((*d.shape[:-1], self.t2d.numel()), float("-inf"), device=d.device)
-        out[..., self.target_ids()] = d
-        return out
 
 
 def target_decoder(target: Any) -> Any:
@@ -371,20 +363,7 @@ def prepare(head: nn.Module, rows: list[Any], cfg: Eagle3Config, target: Any) ->
     """Build d2t/t2d from the training rows and initialise the draft LM head from the target's LM head rows
     of the chosen draft vocabulary."""
     assert isinstance(head, Eagle3Head)
-    V, vd = head.t2d.numel(), head.draft_vocab_size
-    if vd == V:
-        ids = torch.arange(V)
-        info = {"draft_vocab_size": V, "target_written_token_coverage": 1.0}
-    else:
-        ids, info = build_vocab(rows, V, vd)
-    with torch.no_grad():
-        head.d2t.copy_(ids - torch.arange(vd))
-        head.t2d.zero_()
-        head.t2d[ids] = True
-        src = target.get_output_embeddings().weight
-        head.lm_head.weight.copy_(src[ids.to(src.device)].to(head.lm_head.weight))
-    info["d2t_hash"] = vocab_hash(head.d2t.cpu())
-    return info
+    return init_draft_vocab(head, rows, target)
 
 
 COVERAGE_SAMPLE = 16
@@ -558,20 +537,7 @@ def save(head: nn.Module, directory: str, cfg: Eagle3Config, target: Any = None)
 def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3Head:
     saved = read_head(directory, Eagle3Config, target.config, "EAGLE-3 head")
     path, meta, state, tcfg = saved.path, saved.meta, saved.state, target.config
-    if "d2t" not in state or "t2d" not in state or "lm_head.weight" not in state:
-        raise ValueError(f"EAGLE-3 checkpoint {path} lacks d2t/t2d/lm_head.weight")
-    vd = int(state["lm_head.weight"].shape[0])
-    if vd != int(meta.get("draft_vocab_size", -1)):
-        raise ValueError(
-            f"{path}: lm_head has {vd} rows but config.json says draft_vocab_size={meta.get('draft_vocab_size')}"
-        )
-    check_vocab_maps(state["d2t"], state["t2d"], vd, tcfg.vocab_size)
-    expected = saved.recorded.get("d2t_hash")
-    if expected is not None and vocab_hash(state["d2t"]) != expected:
-        raise ValueError(
-            f"{path}: d2t does not match the vocabulary the head was trained with (hash {vocab_hash(state['d2t'])} "
-            f"!= {expected}); a d2t rebuilt from other data silently collapses acceptance"
-        )
+    vd = check_saved_vocab(state, meta, saved.recorded.get("d2t_hash"), tcfg.vocab_size, f"EAGLE-3 checkpoint {path}")
     layer_ids = saved.recorded.get("layer_ids") or resolve_layer_ids(saved.cfg, tcfg)
     head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(saved.cfg))
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().float()
@@ -580,14 +546,9 @@ def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3
 
 
 def make_proposer(head: nn.Module, target: Any, cfg: Eagle3Config) -> Any:
-
     assert isinstance(head, Eagle3Head)
     layer_ids = head.layer_ids
-    n = target.config.num_hidden_layers
-
-    def feature_fn(hs: dict[int | str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([hs["last"] if i == n and i not in hs else hs[i] for i in layer_ids], dim=-1)
-
+    feature_fn = fused_features(layer_ids, target.config.num_hidden_layers)
     return FeatureHeadProposer(
         head,
         head.full_logits,

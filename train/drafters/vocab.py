@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,3 +90,82 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int
             problems.append("t2d does not mark exactly the target ids that d2t maps to")
     if problems:
         raise ValueError("corrupt EAGLE-3 vocabulary map: " + "; ".join(problems))
+
+
+class DraftVocab:
+    """What a head with a reduced draft vocabulary adds to its module (mixed into an ``nn.Module`` that has
+    ``lm_head`` [draft_vocab_size rows], the buffers ``d2t`` and ``t2d`` and a ``draft_logits(h)`` method)."""
+
+    lm_head: torch.nn.Linear
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.lm_head.out_features)
+
+    def target_ids(self) -> torch.Tensor:
+        """Target-vocabulary id of every draft-vocabulary entry, ``[draft_vocab_size]``."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits placed in the target's vocabulary (``-inf`` outside the draft vocabulary)."""
+        d = self.draft_logits(h).float()
+        out = torch.full((*d.shape[:-1], self.t2d.numel()), float("-inf"), device=d.device)
+        out[..., self.target_ids()] = d
+        return out
+
+
+def init_draft_vocab(head: DraftVocab, rows: list[Any], target: Any) -> dict[str, Any]:
+    """Build ``d2t``/``t2d`` from the training rows (:func:`build_vocab`; the identity for the full vocabulary) and
+    start the draft LM head at the target's LM head rows of the chosen vocabulary. Returns the figures for the train
+    manifest (coverage, the map's hash)."""
+    V, vd = head.t2d.numel(), head.draft_vocab_size
+    if vd == V:
+        ids = torch.arange(V)
+        info: dict[str, Any] = {"draft_vocab_size": V, "target_written_token_coverage": 1.0}
+    else:
+        ids, info = build_vocab(rows, V, vd)
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(vd))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+        src = target.get_output_embeddings().weight
+        head.lm_head.weight.copy_(src[ids.to(src.device)].to(head.lm_head.weight))
+    info["d2t_hash"] = vocab_hash(head.d2t.cpu())
+    return info
+
+
+def check_saved_vocab(
+    state: dict[str, torch.Tensor], meta: dict[str, Any], expected_hash: str | None, vocab_size: int, where: str
+) -> int:
+    """Refuse a saved head whose LM head, ``d2t``/``t2d`` or vocabulary hash do not agree with each other and with its
+    config.json; returns the draft vocabulary size."""
+    missing = [k for k in ("d2t", "t2d", "lm_head.weight") if k not in state]
+    if missing:
+        raise ValueError(f"{where} lacks {'/'.join(missing)}")
+    vd = int(state["lm_head.weight"].shape[0])
+    if vd != int(meta.get("draft_vocab_size", -1)):
+        raise ValueError(
+            f"{where}: lm_head has {vd} rows but config.json says draft_vocab_size={meta.get('draft_vocab_size')}"
+        )
+    check_vocab_maps(state["d2t"], state["t2d"], vd, vocab_size)
+    if expected_hash is not None and vocab_hash(state["d2t"]) != expected_hash:
+        raise ValueError(
+            f"{where}: d2t does not match the vocabulary the head was trained with (hash {vocab_hash(state['d2t'])} "
+            f"!= {expected_hash}); a d2t rebuilt from other data silently collapses acceptance"
+        )
+    return vd
+
+
+def fused_features(layer_ids: list[int], num_layers: int) -> Callable[[dict[int | str, torch.Tensor]], torch.Tensor]:
+    """The decoder's hidden-state dict -> the concatenated target layers a head fuses (``num_layers`` = the final
+    states, delivered as ``"last"``)."""
+
+    def feature_fn(hs: dict[int | str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([hs["last"] if i == num_layers and i not in hs else hs[i] for i in layer_ids], dim=-1)
+
+    return feature_fn

@@ -377,6 +377,43 @@ def probe_ids(vocab: int, n: int = PROBE_LEN) -> torch.Tensor:
     return torch.randint(3, vocab, (1, n), generator=g)
 
 
+def trained_d2t_hash(src: Source) -> str | None:
+    """The hash of the vocabulary map the drafter was trained with (``draftsmith.d2t_hash`` in its config.json), or
+    None when it records none."""
+    if "d2t_hash" in src.extra:
+        return str(src.extra["d2t_hash"])
+    conf = Path(src.drafter_dir) / "config.json"
+    if not conf.is_file():
+        return None
+    h = (json.loads(conf.read_text(encoding="utf-8")).get("draftsmith") or {}).get("d2t_hash")
+    return None if h is None else str(h)
+
+
+SPECULATORS_VERSION = "0.9.0"
+"""The speculators release whose config layout the ``speculators`` formats write (checked with it in .venv-engine)."""
+
+
+def speculators_config(src: Source, algorithm: str, speculative_tokens: int) -> dict[str, Any]:
+    """speculators' ``speculators_config`` block: a greedy proposal of ``speculative_tokens``, the target as the
+    verifier."""
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "accept_tolerance": 0.0,
+                "proposal_type": "greedy",
+                "speculative_tokens": int(speculative_tokens),
+                "verifier_accept_k": 1,
+            }
+        ],
+        "verifier": {
+            "architectures": list(getattr(src.target_config, "architectures", None) or ["LlamaForCausalLM"]),
+            "name_or_path": str(src.target.path),
+        },
+    }
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "config.json").read_text(encoding="utf-8"))
 

@@ -29,7 +29,6 @@ and ``N`` (HF's last entry is after the final norm, the engines' is not).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from train.drafters.layers import draft_layer_config
 from train.drafters.saving import load_state
 from train.drafters.vocab import check_vocab_maps, vocab_hash
 from train.export.core import (
+    SPECULATORS_VERSION,
     ExportError,
     Format,
     KeyMap,
@@ -54,11 +54,12 @@ from train.export.core import (
     read_weights,
     register_format,
     shapes,
+    speculators_config,
     target_dims,
+    trained_d2t_hash,
 )
 
 WEIGHTS = "model.safetensors"
-SPECULATORS_VERSION = "0.9.0"
 SPECULATORS_CONFIG_PY = '''"""Written by draftsmith: the class ``auto_map`` names (speculators writes its source)."""
 
 from speculators.models.dflash import DFlashSpeculatorConfig
@@ -131,23 +132,13 @@ def _required(src: Source, native: bool) -> dict[str, Shapes]:
     return {WEIGHTS: req}
 
 
-def _trained_hash(src: Source) -> str | None:
-    if "d2t_hash" in src.extra:
-        return str(src.extra["d2t_hash"])
-    conf = Path(src.drafter_dir) / "config.json"
-    if not conf.is_file():
-        return None
-    h = (json.loads(conf.read_text(encoding="utf-8")).get("draftsmith") or {}).get("d2t_hash")
-    return None if h is None else str(h)
-
-
 def _check_vocab(src: Source, where: str) -> None:
     head = _head(src)
     try:
         check_vocab_maps(head.d2t.cpu(), head.t2d.cpu(), head.draft_vocab_size, src.target_config.vocab_size)
     except ValueError as e:
         raise ExportError(f"refusing to write {where}: {e}") from e
-    expected = _trained_hash(src)
+    expected = trained_d2t_hash(src)
     if expected is not None and vocab_hash(head.d2t.cpu()) != expected:
         raise ExportError(f"refusing to write {where}: d2t is not the vocabulary map the draft was trained with")
 
@@ -202,7 +193,6 @@ def spec_config(src: Source) -> dict[str, Any]:
     import transformers
 
     head = _head(src)
-    tcfg = src.target_config
     return {
         "architectures": ["DFlashSpeculator"],
         "auto_map": {"": "config.DFlashSpeculatorConfig"},
@@ -216,22 +206,7 @@ def spec_config(src: Source) -> dict[str, Any]:
         "sliding_window_non_causal": True,
         "target_hidden_size": None,
         "dtype": _dtype(src),
-        "speculators_config": {
-            "algorithm": "dflash",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "accept_tolerance": 0.0,
-                    "proposal_type": "greedy",
-                    "speculative_tokens": head.block_size - 1,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {
-                "architectures": list(getattr(tcfg, "architectures", None) or ["LlamaForCausalLM"]),
-                "name_or_path": str(src.target.path),
-            },
-        },
+        "speculators_config": speculators_config(src, "dflash", head.block_size - 1),
         "transformer_layer_config": _qwen3_layer_config(src),
         "transformers_version": transformers.__version__,
         "draftsmith": _drafter_meta(src, "speculators"),

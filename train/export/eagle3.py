@@ -39,7 +39,6 @@ ones it was trained with (``d2t_hash`` in the drafter's config.json).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from train.drafters.saving import load_state
 from train.drafters.vocab import check_vocab_maps, default_layer_ids, vocab_hash
 from train.export.core import (
     LLAMA_LAYER,
+    SPECULATORS_VERSION,
     ExportError,
     Format,
     KeyMap,
@@ -64,11 +64,12 @@ from train.export.core import (
     read_weights,
     register_format,
     shapes,
+    speculators_config,
     target_dims,
+    trained_d2t_hash,
 )
 
 WEIGHTS = "model.safetensors"
-SPECULATORS_VERSION = "0.9.0"
 SPECULATORS_CONFIG_PY = '''"""Written by draftsmith: the class ``auto_map`` names (speculators writes its source)."""
 
 from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -101,16 +102,6 @@ def _full_vocab(src: Source) -> bool:
     return _head(src).draft_vocab_size == src.target_config.vocab_size
 
 
-def _trained_hash(src: Source) -> str | None:
-    if "d2t_hash" in src.extra:
-        return str(src.extra["d2t_hash"])
-    conf = Path(src.drafter_dir) / "config.json"
-    if not conf.is_file():
-        return None
-    h = (json.loads(conf.read_text(encoding="utf-8")).get("draftsmith") or {}).get("d2t_hash")
-    return None if h is None else str(h)
-
-
 def check_vocab(src: Source, state: dict[str, torch.Tensor], where: str) -> None:
     """Refuse d2t/t2d that are missing, inconsistent with each other, or not the trained head's."""
     if "d2t" not in state or "t2d" not in state:
@@ -121,7 +112,7 @@ def check_vocab(src: Source, state: dict[str, torch.Tensor], where: str) -> None
         check_vocab_maps(state["d2t"].cpu(), state["t2d"].cpu(), vd, src.target_config.vocab_size)
     except ValueError as e:
         raise ExportError(f"refusing to write {where}: {e}") from e
-    expected = _trained_hash(src)
+    expected = trained_d2t_hash(src)
     if expected is None:
         raise ExportError(
             f"refusing to write {where}: {src.drafter_dir}/config.json records no d2t_hash, so the vocabulary "
@@ -232,22 +223,7 @@ def spec_config(src: Source) -> dict[str, Any]:
         "embed_requires_grad": False,
         **UNSUPPORTED_NORMS,
         **head.norms,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "accept_tolerance": 0.0,
-                    "proposal_type": "greedy",
-                    "speculative_tokens": int(cfg.ttt_steps),
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "verifier": {
-                "architectures": list(getattr(tcfg, "architectures", None) or ["LlamaForCausalLM"]),
-                "name_or_path": str(src.target.path),
-            },
-        },
+        "speculators_config": speculators_config(src, "eagle3", int(cfg.ttt_steps)),
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
         "target_hidden_size": None,
