@@ -6,7 +6,7 @@
 # with its 95% interval; decoded wall clock against plain decoding, the measured c and v and the speedup they
 # predict), EAGLE-3 as a K=5 chain and its tree, DFlash as the chain of its whole block (K = block_size - 1), then
 # puts them side by side with stage compare (paired tau differences over the same prompts):
-#   <runs>/<exp>_cmp_dflash/compare.md
+#   <runs>/<exp>_cmp_dflash/compare/compare.md
 # Needs the experiment's synth data (python3 -m train stage=synth experiment=<exp> runs_root=<runs>); stops at once,
 # naming that command, without it. FEATURES_DIR reuses a feature store of the same layers (e.g. <runs>/quickstart/features).
 set -euo pipefail
@@ -43,4 +43,4 @@ for b in "${BLOCKS[@]}"; do
 done
 list=$(IFS=,; echo "${runs[*]}")
 python3 -m train stage=compare "runs=[$list]" "run_name=$OUT" runs_root="$R"
-cat "$R/$OUT/compare.md"
+cat "$R/$OUT/compare/compare.md"
