@@ -1,9 +1,9 @@
-"""GPU check for stage train: every drafter family (eagle, eagle3, medusa, standalone) for a few hundred steps
+"""GPU check for stage train: every drafter family (eagle, eagle3, medusa, standalone, dflash) for a few hundred steps
 in bf16 with DeepSpeed ZeRO-2 on one GPU, then tokens/s and model FLOP utilisation (MFU) per family. One synth
 run is shared by all families (on one H200, 2026-12-04: 134 s for 512 x 256 including a one-time 30 s GGUF
 conversion; each family's 150 steps plus its held-out check then take well under a minute).
 
-    python3 scripts/bench_gpu.py [--steps 150] [--families eagle,eagle3,medusa,standalone] [--peak-tflops 989]
+    python3 scripts/bench_gpu.py [--steps 150] [--families eagle,eagle3,medusa,standalone,dflash] [--peak-tflops 989]
     python3 scripts/bench_gpu.py --smoke      # the same plumbing on CPU at toy size (a test runs this)
     python3 scripts/bench_gpu.py --smoke --smoke-device cuda   # toy size on the GPU, bf16, ZeRO-2 (a gpu test)
     python3 scripts/bench_gpu.py --num-prompts 256 --max-new-tokens 128 --steps 100   # a shorter GPU run
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--families", default="eagle,eagle3,medusa,standalone")
+    ap.add_argument("--families", default="eagle,eagle3,medusa,standalone,dflash")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--run-name", default="gpu_bench")
     ap.add_argument(
@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         elif family == "medusa":
             head = 6 * n_train
             vocab = (2 * H * V + 6 * H * V) * d["num_heads"]
+        elif family == "dflash":  # fc on every position; per anchor (a supervised token) a block through the layers
+            vd, bs, k = min(V, d["draft_vocab_size"] or V), d["block_size"], len(d["layer_ids"] or [0, 0, 0])
+            head = 6 * k * H * H
+            vocab = 6 * bs * (n_train - k * H * H - H * vd) + (6 + 2) * (bs - 1) * H * vd
         else:
             head = 6 * n_train
             vocab = 8 * H * V

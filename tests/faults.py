@@ -61,6 +61,13 @@ def install() -> None:
     os.replace = replace  # type: ignore[assignment]
 
 
+def sigint_default() -> None:
+    """``preexec_fn`` for a child that must see Ctrl-C: one started from a shell's background job inherits SIGINT
+    *ignored*, and Python then installs no KeyboardInterrupt handler (the interrupt would be lost, not the code's
+    handling of it tested)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(
     args: list[str], env: dict[str, str], root: Path, fault: str = "", log: Path | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess[str]:
@@ -69,7 +76,9 @@ def run(
     if log is not None:
         env["DRAFTSMITH_FAULT_LOG"] = str(log)
     cmd = [sys.executable, "-c", CHILD, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=sigint_default
+    )
 
 
 def kind_of(path: str) -> str:

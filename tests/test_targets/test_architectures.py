@@ -338,6 +338,8 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(tiny_root: Path, tmp_path: Path,
 
     path = make_tiny_target("llama", tiny_root / "llama")
     args = [*SMALL[:7], "data.num_prompts=400", "synth.max_new_tokens=200", "target=hf", f"target.path={path}"]
+    from tests.faults import sigint_default
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "train", "stage=synth", *args, f"runs_root={tmp_path}"],
         cwd=REPO,
@@ -345,6 +347,7 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(tiny_root: Path, tmp_path: Path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_default,
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "quickstart").exists():

@@ -24,7 +24,7 @@ def test_bench_gpu_smoke_trains_every_family(tmp_path: Path, run_env: dict[str, 
     res = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_bench" / "bench_gpu.json").read_text())
-    assert sorted(results) == ["eagle", "eagle3", "medusa", "standalone"]
+    assert sorted(results) == ["dflash", "eagle", "eagle3", "medusa", "standalone"]
     for family, r in results.items():
         assert r["steps"] == 3, family
         manifest = json.loads((tmp_path / f"gpu_bench_{family}" / "train" / "manifest.json").read_text())
@@ -49,7 +49,7 @@ def test_bench_gpu_smoke_on_cuda_checks_every_family(tmp_path: Path, run_env: di
     res = subprocess.run([*cmd, "--runs-root", str(tmp_path)], cwd=REPO, env=run_env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_bench" / "bench_gpu.json").read_text())
-    assert sorted(results) == ["eagle", "eagle3", "medusa", "standalone"]
+    assert sorted(results) == ["dflash", "eagle", "eagle3", "medusa", "standalone"]
     for family, r in results.items():
         assert r["steps"] == 3, family
         manifest = json.loads((tmp_path / f"gpu_bench_{family}" / "train" / "manifest.json").read_text())
