@@ -342,7 +342,7 @@ def test_eval_refuses_to_replace_results_of_another_config(tmp_path: Path, run_e
         (["stage=synth", "data=jsonl", "data.sources.mine.paths=[/tmp]"], "/tmp is a directory, not a file"),
         # Hydra's own composition errors, ended as ours
         (["stage=synth", "train.lr=abc"], "train.lr=abc: Value 'abc' of type 'str' could not be converted to Float"),
-        (["stage=synth", "drafter=foo"], "Could not find 'drafter/foo': Available options in 'drafter': eagle"),
+        (["stage=synth", "drafter=foo"], "Could not find 'drafter/foo': Available options in 'drafter': dflash, eagle"),
         # a training setting that could never finish is refused before stage all's synth runs
         (["stage=all", "train.eval_prompts=0"], "train.eval_prompts=0 must be >= 1"),
     ],
