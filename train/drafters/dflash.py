@@ -345,6 +345,14 @@ def loss_fn(
     teacher_pos = anchors[:, :, None] + torch.arange(W, device=dev)  # slot k's teacher is at a + k - 1
     target_ids = core.target_ids().to(dev)
     n_all = int(counted.sum())
+    # A position is the teacher of up to W (anchor, slot) pairs: project each one onto the draft vocabulary once.
+    flat = (torch.arange(B, device=dev)[:, None, None] * L + teacher_pos)[counted]
+    uniq, row_of = torch.unique(flat, return_inverse=True)
+    slot_row = torch.full((B, A, W), -1, dtype=torch.long, device=dev)
+    slot_row[counted] = row_of
+    with torch.no_grad(), torch.autocast(dev.type, enabled=False):
+        x_last = feats.last.reshape(B * L, -1)[uniq]
+        teachers = torch.softmax(lm_head_rows(feats.lm_head, x_last, target_ids) / cfg.teacher_temperature, -1)
     total = torch.zeros((), device=dev)
     agree = torch.zeros(B, A, W, dtype=torch.bool, device=dev)
     for k in range(W):
@@ -354,10 +362,7 @@ def loss_fn(
             metrics[f"acc_top1_pos{k + 1}"] = torch.tensor(0.0)
             metrics[f"loss_pos{k + 1}"] = torch.tensor(0.0)
             continue
-        b_idx, _ = torch.nonzero(sel, as_tuple=True)
-        with torch.no_grad(), torch.autocast(dev.type, enabled=False):
-            x_last = feats.last[b_idx, teacher_pos[:, :, k][sel]]
-            teacher = torch.softmax(lm_head_rows(feats.lm_head, x_last, target_ids) / cfg.teacher_temperature, -1)
+        teacher = teachers[slot_row[:, :, k][sel]]
         ce_sum, d_top = soft_cross_entropy(core.draft_logits(h[:, :, k][sel]), teacher)
         total = total + math.exp(-k / cfg.loss_gamma) * ce_sum / n_all
         with torch.no_grad():
