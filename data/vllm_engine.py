@@ -114,6 +114,7 @@ class VLLMEngine:
         kv_cache_gb: int = 2,
         eos_token_id: int | None = None,
         extra_args: dict[str, Any] | None = None,
+        in_process: bool = False,
     ) -> None:
         cmd = [
             python,
@@ -136,8 +137,10 @@ class VLLMEngine:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))  # GiB of KV cache on CPU (vLLM's default is 4)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.pop("PYTHONPATH", None)  # the engine venv must not see this environment's packages
+        if in_process:  # vLLM's engine core in the worker process itself (no busy-polling second process)
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         t0 = time.perf_counter()
-        logger.info("synth: starting vLLM (%s, %s, eager=%s) with %s", model_dir, dtype, enforce_eager, python)
+        logger.info("starting vLLM (%s, %s, eager=%s) with %s", model_dir, dtype, enforce_eager, python)
         try:
             self.proc = subprocess.Popen(  # its own process group: see stop_group_with_parent
                 cmd,
@@ -153,7 +156,7 @@ class VLLMEngine:
         hello = self._read()
         self.start_seconds = time.perf_counter() - t0
         self.info: dict[str, Any] = hello
-        logger.info("synth: vLLM %s ready in %.1f s", hello.get("vllm_version", "?"), self.start_seconds)
+        logger.info("vLLM %s ready in %.1f s", hello.get("vllm_version", "?"), self.start_seconds)
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -175,9 +178,14 @@ class VLLMEngine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seeds: list[int] | None = None,
+        counters: bool = False,
+        k: int | None = None,
     ) -> tuple[list[list[int]], float]:
         """New tokens of every prompt (ending with the end-of-sequence token when one was generated), and the
-        seconds the engine spent on them."""
+        seconds the engine spent on them. ``counters``: also read vLLM's speculative-decoding counters after the
+        call into :attr:`counters` (cumulative since the engine started; see :func:`read_counters`). ``k``: draft that
+        many tokens per step from this call on (:func:`set_k`; an engine started with ``in_process=True`` and a
+        schedule)."""
         if not prompts:
             return [], 0.0
         req = {
@@ -186,6 +194,8 @@ class VLLMEngine:
             "temperature": temperature,
             "top_p": top_p,
             "seeds": seeds,
+            "counters": counters,
+            "k": k,
         }
         assert self.proc.stdin is not None
         try:
@@ -197,6 +207,8 @@ class VLLMEngine:
         outs = msg["outputs"]
         if len(outs) != len(prompts):
             raise EngineError(f"the vLLM worker answered {len(outs)} outputs for {len(prompts)} prompts")
+        if counters:
+            self.counters: dict[str, Any] = msg.get("counters") or {}
         return outs, float(msg["seconds"])
 
     def close(self, graceful: bool = True) -> None:
@@ -256,6 +268,46 @@ def stop_group_with_parent(interval: float = 0.5) -> threading.Thread:
     return thread
 
 
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def read_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters since the engine started (needs ``disable_log_stats=False``): drafts
+    (proposals, one per request per step), draft tokens, accepted tokens, accepted per chain position."""
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == SPEC_PER_POS:
+            vals = [int(v) for v in m.values]
+            out["per_pos"] = [a + b for a, b in zip(out["per_pos"] + [0] * len(vals), vals, strict=False)]
+    return out
+
+
+def set_k(llm: Any, k: int) -> None:
+    """Draft ``k`` tokens per step at every batch size from now on, in a running engine: rewrites the scheduler's
+    batch-size -> K table of vLLM's dynamic speculative decoding. Needs the engine in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and started with a ``num_speculative_tokens_per_batch_size`` schedule (so
+    the table exists); K is capped at the engine's ``num_speculative_tokens``. This lets one engine measure every K
+    side by side (stage deploy's calibration), where separate engine processes differ from each other by more than
+    the effect measured."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    lookup = getattr(sched, "dynamic_sd_lookup", None)
+    if lookup is None:
+        raise RuntimeError(
+            "cannot set K in this engine: it needs VLLM_ENABLE_V1_MULTIPROCESSING=0 and a speculative_config with "
+            "num_speculative_tokens_per_batch_size (vLLM's scheduler.dynamic_sd_lookup)"
+        )
+    for i in range(1, len(lookup)):
+        lookup[i] = min(k, int(sched.num_spec_tokens))
+
+
 def _serve(args: argparse.Namespace) -> None:
     stop_group_with_parent()
     # The protocol owns the real stdout; everything else that prints (vLLM's logs, tqdm) goes to stderr.
@@ -304,10 +356,15 @@ def _serve(args: argparse.Namespace) -> None:
                 )
                 for s in seeds
             ]
+            if req.get("k") is not None:
+                set_k(llm, int(req["k"]))
             t0 = time.perf_counter()
             res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
             dt = time.perf_counter() - t0
-            send({"outputs": [list(r.outputs[0].token_ids) for r in res], "seconds": dt})
+            msg: dict[str, Any] = {"outputs": [list(r.outputs[0].token_ids) for r in res], "seconds": dt}
+            if req.get("counters"):
+                msg["counters"] = read_counters(llm)
+            send(msg)
         except Exception as e:
             send({"error": _describe(e)})
 

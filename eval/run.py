@@ -322,6 +322,17 @@ def predict(alpha: list[float], tau: float, k: int | None, v: float, c: float) -
     return tau, tau / (v + (k * c if k else c))
 
 
+def recommend_k(alpha: list[float], v: float, c: float) -> tuple[int, float]:
+    """The chain length the built-in decoder would pick on this machine at batch 1: the K in 1..len(alpha) with the
+    highest predicted speedup ``E_K / (v + K c)`` (the measured cost ratios of this eval), or (0, 1.0) (plain
+    decoding) when none beats 1.0."""
+    if not alpha or any(math.isnan(x) for x in (v, c)) or any(math.isnan(a) for a in alpha):
+        return 0, math.nan
+    preds = {k: expected_tokens_per_step(alpha, k) / (v + k * c) for k in range(1, len(alpha) + 1)}
+    k = max(preds, key=lambda x: (preds[x], -x))
+    return (k, preds[k]) if preds[k] > 1.0 else (0, 1.0)
+
+
 _DECODE_ONLY = (
     "target_forwards",
     "new_tokens",
@@ -404,6 +415,10 @@ def combine(
                 m["model_tokens_per_step"], m["predicted_speedup"] = predict(
                     m["alpha"], m["tau"], k, d["verify_cost_ratio_v"], d["draft_cost_ratio_c"]
                 )
+            if k and name != "plain" and not name.startswith("hf_"):
+                m["recommended_k"], m["recommended_predicted_speedup"] = recommend_k(
+                    m["alpha"], d["verify_cost_ratio_v"], d["draft_cost_ratio_c"]
+                )
         out[src] = m
     return out
 
@@ -435,6 +450,16 @@ def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> st
                 f"{_f(m['speedup'], '.2f', 'x')} | {_f(m['draft_cost_ratio_c'], '.3f')} | "
                 f"{_f(m['verify_cost_ratio_v'], '.2f')} | "
                 f"{_f(m['predicted_speedup'], '.2f', 'x')} | {_f(m['identical_to_plain'], '.0%')} |"
+            )
+    for name, per in metrics.items():
+        m = per.get("all") or {}
+        if m.get("recommended_k") is not None and not math.isnan(m.get("recommended_predicted_speedup", math.nan)):
+            k = m["recommended_k"]
+            lines.append(
+                f"\n{name}: on this machine at batch 1 the built-in decoder would draft K={k} "
+                f"(predicted {m['recommended_predicted_speedup']:.2f}x from alpha, c and v)"
+                if k
+                else f"\n{name}: on this machine at batch 1 no K is predicted to beat plain decoding"
             )
     return "\n".join(lines)
 

@@ -145,6 +145,17 @@ def _stage_export(cfg: Config, run_dir: Path) -> Any:
         return run_export(cfg, run_dir)
 
 
+def _stage_deploy(cfg: Config, run_dir: Path) -> Any:
+    from train.deploy import check_deploy_config, run_deploy
+
+    check_deploy_config(cfg.deploy)  # a bad value fails before the target loads or an engine starts
+    with run_lock(run_dir, "deploy"):
+        sweep_unfinished(run_dir)
+        check_drafter_dir(cfg.deploy.drafter_dir or f"{cfg.train_dir}/best", "deploy.drafter_dir")
+        check_drafter_fits(cfg.deploy.drafter_dir or f"{cfg.train_dir}/best", cfg, "deploy.drafter_dir")
+        return run_deploy(cfg, run_dir)
+
+
 def _stage_compare(cfg: Config, run_dir: Path) -> Any:
     from train.compare import run_compare
 
@@ -181,6 +192,7 @@ STAGES: dict[str, tuple[Callable[[Config, Path], Any], str]] = {
     "train": (_stage_train, "train the drafter (drafter=eagle) on the synth data with accelerate + DeepSpeed"),
     "eval": (_stage_eval, "held-out acceptance length and speedup of the drafter and its peers"),
     "export": (_stage_export, "write the trained drafter in a serving engine's format (export.format=...)"),
+    "deploy": (_stage_deploy, "measure vLLM here and write the K-per-batch-size schedule that pays (vllm.json)"),
     "all": (_stage_all, "the whole pipeline: synth -> train -> eval"),
     "merge": (_stage_merge, "join the shards of a sharded synth run (SLURM array) and write its manifest"),
     "compare": (_stage_compare, "runs side by side (runs=[runs/a,runs/b]): tau per domain, speedup, tokens/s, budget"),

