@@ -43,26 +43,22 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_PY = REPO / ".venv-engine" / "bin" / "python"
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted",
-}
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 # ---------------------------------------------------------------------------------------------- engine side
 
 
-def _read_counters(llm: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            out[SPEC_COUNTERS[m.name]] += int(m.value)
-        elif m.name == PER_POS:
-            vals = [int(v) for v in m.values]
-            out["per_pos"] = [a + b for a, b in zip(out["per_pos"] + [0] * len(vals), vals, strict=False)]
-    return out
+def _engine_module() -> Any:
+    """data/vllm_engine.py loaded by path: the engine venv does not have the project's packages installed, and that
+    module imports nothing beyond the standard library at import time (its ``read_counters`` reads vLLM's
+    spec-decode counters)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draftsmith_vllm_engine", REPO / "data" / "vllm_engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def spec_config(draft: str, k: int, method: str | None) -> dict[str, Any]:
@@ -77,6 +73,7 @@ def engine_main(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    read_counters = _engine_module().read_counters
     prompts = json.loads(Path(args.prompts).read_text(encoding="utf-8"))
     t0 = time.perf_counter()
     llm = LLM(
@@ -93,9 +90,9 @@ def engine_main(args: argparse.Namespace) -> None:
     rows = []
     t0 = time.perf_counter()
     for p in prompts:
-        before = _read_counters(llm)
+        before = read_counters(llm)
         out = llm.generate([TokensPrompt(prompt_token_ids=p["input_ids"])], params, use_tqdm=False)[0]
-        after = _read_counters(llm)
+        after = read_counters(llm)
         prev = before["per_pos"] + [0] * len(after["per_pos"])
         per_pos = [a - b for a, b in zip(after["per_pos"], prev, strict=False)]
         rows.append(
@@ -165,14 +162,9 @@ def drafter_proposer(target: Any, drafter_dir: Path, k: int) -> Any:
 
 
 def engine_format(family: str) -> tuple[str, str | None]:
-    """(export format, speculative_config method) vLLM serves a drafter family with."""
-    formats: dict[str, tuple[str, str | None]] = {
-        "eagle3": ("speculators", "eagle3"),
-        "standalone": ("hf", None),
-        "eagle": ("vllm_eagle", "eagle"),
-        "medusa": ("vllm_medusa", "medusa"),
-        "dflash": ("speculators", "dflash"),
-    }
+    """(export format, speculative_config method) vLLM serves a drafter family with (train/deploy.py's table)."""
+    from train.deploy import VLLM_FORMAT as formats
+
     if family not in formats:
         raise SystemExit(f"vLLM parity covers {', '.join(formats)} drafters, not {family!r}")
     return formats[family]
