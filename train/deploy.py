@@ -69,12 +69,12 @@ def vllm_format(family: str) -> tuple[str, str | None]:
 
 def allowed_ks(family: str, dcfg: Any, k_max: int) -> list[int]:
     """The K a drafter can be served with: Medusa drafts one token per head; a DFlash block is trained for one
-    length (vLLM drafts K + 1 positions, so another K changes what the block computes: only block_size - 1)."""
+    length (vLLM drafts K + 1 positions, so another K changes what the block computes): only block_size - 1, whatever
+    ``k_max`` says."""
     if family == "medusa":
         return list(range(1, min(k_max, int(dcfg.num_heads)) + 1))
     if family == "dflash":
-        k = int(dcfg.block_size) - 1
-        return [k] if k <= k_max else []
+        return [int(dcfg.block_size) - 1]
     return list(range(1, k_max + 1))
 
 
@@ -94,10 +94,10 @@ def read_acceptance(eval_dir: str | None, family: str) -> tuple[dict[str, list[f
     if not eval_dir or not (Path(eval_dir) / "metrics.json").is_file():
         return None
     metrics = json.loads((Path(eval_dir) / "metrics.json").read_text(encoding="utf-8")).get("metrics") or {}
-    chains = sorted(n for n in metrics if n.startswith(f"{family}_chain_k"))
+    chains = [n for n in metrics if n.startswith(f"{family}_chain_k")]
     if not chains:
         return None
-    name = chains[-1]
+    name = max(chains, key=lambda n: len((metrics[n].get("all") or {}).get("alpha") or []))  # the longest chain
     alpha = {
         src: [0.0 if a is None or (isinstance(a, float) and math.isnan(a)) else float(a) for a in m.get("alpha") or []]
         for src, m in metrics[name].items()

@@ -33,3 +33,28 @@ def test_deploy_refuses_before_work(tmp_path: Path, args: list[str], needle: str
     assert res.returncode == 2, res.stderr[-2000:]
     assert needle in res.stderr and "Traceback" not in res.stderr + res.stdout
     assert not list(tmp_path.rglob("vllm.json")) and not list(tmp_path.rglob("deploy.json"))
+
+
+def test_acceptance_and_allowed_k_from_the_run(tmp_path: Path) -> None:
+    """The schedule is chosen for the family's longest replayed chain, per source; the K a family can be served with."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    from train.deploy import allowed_ks, read_acceptance
+
+    metrics = {
+        "plain": {"all": {"alpha": []}},
+        "eagle3_chain_k3": {"all": {"alpha": [0.5, 0.4, 0.3]}},
+        "eagle3_chain_k10": {"all": {"alpha": [0.6] * 10, "tau_from": "replay"}, "code": {"alpha": [0.7, math.nan]}},
+        "eagle3_tree_n16": {"all": {"alpha": [0.9, 0.9]}},
+        "prompt_lookup_k5": {"all": {"alpha": [0.1] * 5}},
+    }
+    (tmp_path / "metrics.json").write_text(json.dumps({"metrics": metrics}))
+    alpha, how = read_acceptance(str(tmp_path), "eagle3")
+    assert alpha == {"all": [0.6] * 10, "code": [0.7, 0.0]} and how.startswith("replay (eagle3_chain_k10")
+    assert read_acceptance(str(tmp_path), "medusa") is None  # no chain of this family was judged
+    assert read_acceptance(str(tmp_path / "missing"), "eagle3") is None and read_acceptance(None, "eagle3") is None
+    assert allowed_ks("eagle3", None, 5) == [1, 2, 3, 4, 5]
+    assert allowed_ks("medusa", SimpleNamespace(num_heads=3), 5) == [1, 2, 3]
+    assert allowed_ks("dflash", SimpleNamespace(block_size=8), 5) == [7]  # its block's own length, only
