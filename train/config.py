@@ -163,6 +163,9 @@ class ExportConfig:
     out_dir: str = "${runs_root}/${run_name}/export/${export.format}"
     eval_dir: str | None = "${runs_root}/${run_name}/eval"
     """The eval stage's output whose held-out tau table goes into the model card (skipped when absent)."""
+    deploy_dir: str | None = "${runs_root}/${run_name}/deploy"
+    """A stage deploy of this drafter whose serving advice goes into the model card (skipped when absent or made
+    for another drafter directory)."""
     verify: bool = True
     """Re-import the export and require the trained drafter's draft logits before renaming it into place."""
 

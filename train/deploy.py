@@ -40,7 +40,7 @@ from eval.serving import Measured, Plan, alpha_from_counts, expected_tokens, k_a
 from train.config import Config, DeployConfig
 from train.drafters.registry import load_drafter
 from train.export import drafter_family, export_drafter, find_train_manifest, read_eval
-from train.export.core import ExportError, Source, get_format
+from train.export.core import ExportError, Source, get_format, model_card
 
 logger = logging.getLogger(__name__)
 
@@ -584,19 +584,10 @@ def run_deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
     atomic_write_json(run_dir / "deploy.json", report)
     atomic_write_text(run_dir / "deploy.md", text)
     plot(report, plan, allowed, run_dir / "deploy.png")
+    src.deploy_report = report  # the export's model card, written again with the advice
     card = export_dir / "README.md"
-    sched = ", ".join(f"{lo}-{hi}: {k or 'off'}" for lo, hi, k in plan.schedule)
-    where = f"measured on {report['host']} ({report['device']})"
-    serving = (
-        f"K per batch size, {where}: {sched}. vLLM: `--speculative-config '{json.dumps(vllm_conf)}'`."
-        if vllm_conf is not None
-        else f"Speculation did not pay at any measured load, {where}: serve the target without it."
-    )
-    atomic_write_text(
-        card,
-        card.read_text(encoding="utf-8")
-        + f"\n## Serving (stage deploy)\n\n{serving} Details: deploy.md beside this directory.\n",
-    )
+    files = sorted(f.name for f in export_dir.iterdir() if f.is_file())
+    atomic_write_text(card, model_card(src, get_format(family, fmt_name), files))
     write_manifest(
         run_dir / "manifest.json",
         "deploy",

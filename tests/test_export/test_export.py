@@ -264,3 +264,32 @@ def test_vllm_medusa_round_trip(target, tmp_path: Path):
     conf = json.loads((tmp_path / "vm" / "config.json").read_text())
     assert conf["medusa_fc_bias"] is True and conf["original_lm_head"] is True
     assert conf["num_heads"] == cfg.num_heads and conf["num_hidden_layers"] == cfg.num_layers
+
+
+def test_model_card_carries_the_deploy_advice(eagle_run: Path, target, tmp_path: Path):
+    """A stage deploy of this drafter (its deploy.json) puts its schedule and vLLM config into the export's model card;
+    a deploy made for another drafter directory does not."""
+    sched = [[1, 2, 3], [3, 256, 0]]
+    report = {
+        "drafter_dir": str(eagle_run / "train" / "best"),
+        "host": "node7",
+        "device": "CPU",
+        "vllm_version": "0.32.0",
+        "plan": {"schedule": sched},
+        "vllm": {"method": "eagle", "num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": sched},
+        "sglang": "--speculative-algorithm EAGLE --speculative-num-steps 3",
+    }
+    dep = tmp_path / "deploy"
+    dep.mkdir()
+    (dep / "deploy.json").write_text(json.dumps(report))
+    extra = {"export.deploy_dir": str(dep), "export.out_dir": str(tmp_path / "with")}
+    run_export(_cfg(eagle_run, "eagle", **extra), tmp_path / "a", target=target)
+    card = (tmp_path / "with" / "README.md").read_text()
+    assert "## Serving (stage deploy)" in card
+    assert "K per batch size, measured on node7 (CPU), vLLM 0.32.0: 1-2: 3, 3-256: off" in card
+    assert '"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 256, 0]]' in card and "SGLang: --spec" in card
+    report["drafter_dir"] = str(tmp_path / "another" / "best")
+    (dep / "deploy.json").write_text(json.dumps(report))
+    extra["export.out_dir"] = str(tmp_path / "without")
+    run_export(_cfg(eagle_run, "eagle", **extra), tmp_path / "b", target=target)
+    assert "Serving (stage deploy)" not in (tmp_path / "without" / "README.md").read_text()

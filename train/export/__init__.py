@@ -85,6 +85,16 @@ def read_eval(eval_dir: str | None) -> tuple[dict[str, Any] | None, str | None]:
     return metrics, table
 
 
+def read_deploy(deploy_dir: str | None, drafter_dir: Path) -> dict[str, Any] | None:
+    """``deploy.json`` of a stage deploy made for this drafter directory, or None."""
+    path = Path(deploy_dir) / "deploy.json" if deploy_dir else None
+    if path is None or not path.is_file():
+        return None
+    report = json.loads(path.read_text(encoding="utf-8"))
+    same = Path(str(report.get("drafter_dir", ""))).resolve() == drafter_dir.resolve()
+    return report if same else None
+
+
 def export_drafter(src: Source, fmt: Format, out_dir: Path, verify: bool = True) -> dict[str, Any]:
     """Check, write, re-check and (``verify``) round-trip one export; return what was written."""
     where = f"{fmt.family} -> {fmt.name} export {out_dir}"
@@ -156,6 +166,7 @@ def run_export(cfg: Config, run_dir: Path, target: Any = None) -> dict[str, Any]
         train_manifest=train_manifest,
         eval_metrics=metrics,
         eval_table=table,
+        deploy_report=read_deploy(e.deploy_dir, drafter_dir),
     )
     result = export_drafter(src, fmt, out_dir, verify=e.verify)
 

@@ -53,6 +53,8 @@ class Source:
     eval_metrics: dict[str, Any] | None = None
     eval_table: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    deploy_report: dict[str, Any] | None = None
+    """``deploy.json`` of a stage deploy of this drafter: its serving advice goes into the model card."""
 
     @property
     def target_config(self) -> Any:
@@ -308,6 +310,28 @@ def tau_table(metrics: dict[str, Any] | None, table: str | None) -> str:
     return "\n".join(lines)
 
 
+def serving_section(report: dict[str, Any] | None) -> list[str]:
+    """The model card's lines for stage deploy's advice (none without a deploy of this drafter)."""
+    if not report:
+        return []
+    plan = report.get("plan") or {}
+    sched = ", ".join(f"{lo}-{hi}: {k or 'off'}" for lo, hi, k in plan.get("schedule") or [])
+    where = f"measured on {report.get('host')} ({report.get('device')}), vLLM {report.get('vllm_version')}"
+    conf = report.get("vllm")
+    lines = ["", "## Serving (stage deploy)", ""]
+    if conf:
+        lines.append(
+            f"K per batch size, {where}: {sched}. vLLM: `--speculative-config '{json.dumps(conf)}'` (its `model` is "
+            "the deploy stage's export; point it at this directory)."
+        )
+    else:
+        lines.append(f"Speculation did not pay at any measured load, {where}: serve the target without it.")
+    if report.get("sglang"):
+        lines.append(f"SGLang: {report['sglang']}")
+    lines.append("Details and the measurements: `deploy.md` of the run's deploy stage.")
+    return lines
+
+
 def model_card(src: Source, fmt: Format, files: list[str]) -> str:
     """``README.md`` of an export: what it is, what it was trained for and on, and its held-out tau."""
     t = src.train_manifest or {}
@@ -364,6 +388,7 @@ def model_card(src: Source, fmt: Format, files: list[str]) -> str:
         ]
     else:
         lines.append("No eval stage results were found for this run (run `stage=eval` before exporting).")
+    lines += serving_section(src.deploy_report)
     lines += ["", "## Files", *[f"- `{f}`" for f in sorted(files)], ""]
     return "\n".join(lines)
 
