@@ -313,7 +313,7 @@ class _SlotLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _slot_cache(model: torch.nn.Module, bufs: list[tuple[torch.Tensor, torch.Tensor]], start: int, end: int) -> Any:
+def slot_cache(model: torch.nn.Module, bufs: list[tuple[torch.Tensor, torch.Tensor]], start: int, end: int) -> Any:
     cache = new_cache(model)
     cache.layers = [_SlotLayer(k, v, start, end) for k, v in bufs]
     return cache
@@ -699,7 +699,7 @@ def _generate(
         cols = torch.arange(width + 1, device=device)
         mask = (cols[None, :width] >= width - lens[:, None]).long()
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        cache = _slot_cache(model, bufs, start, end)
+        cache = slot_cache(model, bufs, start, end)
         res = model_forward(model, torch.tensor(nxt, device=device)[:, None], cache, lens[:, None], mask)
         picked = pick(res.logits[:, -1], rows)
         end += 1

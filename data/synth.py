@@ -200,7 +200,7 @@ def _record(
     stats.turns += 1
 
 
-def _history(conv: Conversation, answers: list[str], upto_user: int) -> list[dict[str, str]]:
+def turn_history(conv: Conversation, answers: list[str], upto_user: int) -> list[dict[str, str]]:
     """Messages up to and including user turn ``upto_user`` (0-based), with the target's own answers
     in place of the original assistant turns before it."""
     out: list[dict[str, str]] = []
@@ -303,7 +303,7 @@ def _turn_job(
 ) -> TurnJob | None:
     """The prompt of user turn ``turn`` (the target's own earlier answers in its history), or None (counted) when a
     later turn outgrew the prompt budget: the conversation then keeps the turns done so far."""
-    ids = prompt_ids(tok, _history(conv, answers, turn))
+    ids = prompt_ids(tok, turn_history(conv, answers, turn))
     if len(ids) > max_prompt_tokens + turn * cfg.max_new_tokens:
         stats.skipped["later_turn_too_long"] = stats.skipped.get("later_turn_too_long", 0) + 1
         return None
@@ -325,7 +325,7 @@ def _chunk_rows(
         if regen[i]:
             if not answers[i]:
                 continue
-            messages = _history(conv, answers[i], len(answers[i]) - 1)
+            messages = turn_history(conv, answers[i], len(answers[i]) - 1)
             messages.append({"role": "assistant", "content": answers[i][-1]})
         else:  # the original answers (baseline for the mid-training comparison)
             messages = list(conv.messages)

@@ -3,7 +3,7 @@
     python scripts/bench_decode_step.py [--rows 64] [--width 400] [--no-prepack] [--wait-policy cli]
         [--steps 5] [--profile]
 
-Builds the engine's slot cache (``data.generate._slot_cache``) of ``--rows`` rows x ``--width`` cached columns
+Builds the engine's slot cache (``data.generate.slot_cache``) of ``--rows`` rows x ``--width`` cached columns
 (random keys and values: the cost does not depend on them), then times ``--steps`` decode steps of the embedded
 float32 target after 3 of warm-up, with oneDNN-prepacked weights (``data/prepack.py``) unless ``--no-prepack``.
 ``--profile`` prints torch's operator table (where a step's time goes). ``--wait-policy`` chooses how OpenMP
@@ -46,7 +46,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from data.config import TargetConfig
-    from data.generate import _slot_cache, model_forward
+    from data.generate import model_forward, slot_cache
     from data.prepack import prepacked_linears
     from data.target import load_target
 
@@ -63,7 +63,7 @@ def main() -> None:
 
     @torch.inference_mode()
     def step() -> None:
-        model_forward(model, ids, _slot_cache(model, bufs, 0, args.width), lens, mask)
+        model_forward(model, ids, slot_cache(model, bufs, 0, args.width), lens, mask)
 
     with prepacked_linears(model, enabled=not args.no_prepack, rows=args.rows) as packed:
         for _ in range(3):

@@ -194,7 +194,7 @@ def run_vllm(cfg, target, convs, base_cfg, run) -> list[dict]:  # type: ignore[n
     import tempfile
 
     from data.render import prompt_ids
-    from data.synth import _history
+    from data.synth import turn_history
     from data.target import resolve_target_path
     from data.vllm_engine import VLLMEngine, find_engine_python
 
@@ -211,7 +211,7 @@ def run_vllm(cfg, target, convs, base_cfg, run) -> list[dict]:  # type: ignore[n
         r = run("vllm", 0, vllm=eng)
         r["engine_start_seconds"] = round(eng.start_seconds, 1)
         out.append(r)
-    prompts = [prompt_ids(tok, _history(c, [], 0)) for c in convs]
+    prompts = [prompt_ids(tok, turn_history(c, [], 0)) for c in convs]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
