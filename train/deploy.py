@@ -409,6 +409,16 @@ def sglang_advice(src: Source, family: str, plan: Plan, export_hint: str) -> str
 
 
 def run_deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    try:
+        return _deploy(cfg, run_dir)
+    except EngineError as e:  # vLLM could not start or serve a configuration: one message, not a traceback
+        raise ConfigError(
+            f"stage deploy: {e}. Nothing was written but the export; the engine's log is above "
+            "(VLLM_LOGGING_LEVEL=INFO for more)"
+        ) from None
+
+
+def _deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     d = cfg.deploy
     check_deploy_config(d)

@@ -58,3 +58,15 @@ def test_acceptance_and_allowed_k_from_the_run(tmp_path: Path) -> None:
     assert allowed_ks("eagle3", None, 5) == [1, 2, 3, 4, 5]
     assert allowed_ks("medusa", SimpleNamespace(num_heads=3), 5) == [1, 2, 3]
     assert allowed_ks("dflash", SimpleNamespace(block_size=8), 5) == [7]  # its block's own length, only
+
+
+def test_deploy_without_an_engine_is_one_error_line(tmp_path: Path, target) -> None:
+    """A Python that cannot import vLLM (named by deploy.vllm_python) is refused with the fix, exit 2, before the
+    target loads."""
+    from train.drafters.eagle import EagleConfig, build, save
+
+    save(build(EagleConfig(), target.model), str(tmp_path / "r" / "train" / "best"), EagleConfig())
+    res = _cli(tmp_path, "run_name=r", f"deploy.vllm_python={sys.executable}")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "cannot import vllm" in res.stderr and "Traceback" not in res.stderr + res.stdout
+    assert not (tmp_path / "r" / "deploy" / "deploy.json").exists()
