@@ -195,10 +195,16 @@ class Plan:
     idle_cost: dict[int, float] = field(default_factory=dict)
     """batch -> the cost of a step at K=0 in an engine that holds the drafter, in plain steps (measured; 1.0 where
     not measured)."""
+    noise: dict[int, float] = field(default_factory=dict)
+    """batch -> how much plain decoding's throughput moved between the calibration's repeats (relative)."""
     chosen: dict[int, tuple[int, float]] = field(default_factory=dict)
     """batch -> (K, predicted ratio) for the ``all`` mix."""
     per_domain: dict[str, dict[int, tuple[int, float]]] = field(default_factory=dict)
     schedule: list[list[int]] = field(default_factory=list)
+
+    def margin(self, batch: int) -> float:
+        """How much a K must beat the drafter's engine at K=0 by, at this batch size."""
+        return max(self.min_gain, 1.0 + self.noise.get(batch, 0.0))
 
     def idle(self, batch: int) -> float:
         """Throughput ratio to plain of the drafter's engine at K=0."""
@@ -221,6 +227,7 @@ class Plan:
             "k_max": self.k_max,
             "min_gain": self.min_gain,
             "idle_cost": {str(b): v for b, v in self.idle_cost.items()},
+            "noise": {str(b): v for b, v in self.noise.items()},
             "chosen": {str(b): {"k": k, "predicted_vs_plain": r} for b, (k, r) in self.chosen.items()},
             "per_domain": {
                 d: {str(b): {"k": k, "predicted_vs_plain": r} for b, (k, r) in ch.items()}
@@ -238,10 +245,13 @@ def make_plan(
     max_batch: int,
     idle: Sequence[Measured] = (),
     allowed: Sequence[int] | None = None,
+    noise: Mapping[int, float] | None = None,
 ) -> Plan:
     """Fit the costs, choose K per measured batch size for the ``all`` mix (and per domain, for the report) and
     build the schedule. ``idle``: the drafter's engine served at K=0 (its cost per batch size); ``allowed``: the K
-    the drafter can be served with (default 1..k_max)."""
+    the drafter can be served with (default 1..k_max); ``noise``: per batch size, how much plain decoding's
+    throughput moved between repeats (relative): a K must then beat the K=0 option by at least that much too
+    (``max(min_gain, 1 + noise)``), so a gain the calibration cannot resolve never turns speculation on."""
     if "all" not in alpha:
         raise ValueError("the acceptance mix 'all' is missing")
     costs = fit_costs(measured)
@@ -251,9 +261,10 @@ def make_plan(
         costs, {b: m.tokens_per_s for b, m in plain.items()}, {d: list(a) for d, a in alpha.items()}, k_max, min_gain
     )
     plan.idle_cost = idle_cost
+    plan.noise = dict(noise or {})
     ks = sorted(allowed) if allowed is not None else list(range(1, k_max + 1))
     for d, al in plan.alpha.items():
-        ch = {b: best_k(al, c, ks, min_gain, plan.idle(b)) for b, c in costs.items()}
+        ch = {b: best_k(al, c, ks, plan.margin(b), plan.idle(b)) for b, c in costs.items()}
         if d == "all":
             plan.chosen = ch
         else:

@@ -208,7 +208,8 @@ class DeployConfig(Choices):
     k_max: int = 5
     """The schedule's largest K (also bounded by the drafter: Medusa's heads, the eval's chain length)."""
     min_gain: float = 1.02
-    """K > 0 only where the predicted throughput is at least this times plain decoding's (a margin for noise)."""
+    """K > 0 only where its predicted throughput is at least this times the drafter's engine at K=0 (and more than plain
+    decoding moved between the calibration's repeats at that batch size)."""
     max_new_tokens: int = 48
     min_requests: int = 8
     """Requests per (configuration, batch size): groups of B until at least this many (more for small B)."""

@@ -221,7 +221,7 @@ def why(plan: Plan, b: int, allowed: list[int]) -> str:
     best = max(preds, key=lambda x: preds[x]) if preds else 0
     if k == 0:
         return (
-            f"off: the best, K={best}, is predicted {preds.get(best, 1.0):.2f}x plain, under {plan.min_gain:.2f} x "
+            f"off: the best, K={best}, is predicted {preds.get(best, 1.0):.2f}x plain, under {plan.margin(b):.2f} x "
             f"the drafter's engine at K=0 ({plan.idle(b):.2f}x)"
         )
     runner = sorted((v, kk) for kk, v in preds.items() if kk != k)
@@ -258,7 +258,8 @@ def markdown(report: dict[str, Any], plan: Plan, allowed: list[int]) -> str:
         f"at K=0 and at K in {report['calibrate_k']}, at batch sizes {sizes} ({report['requests_note']}); a "
         "speculative step costs `a + b K` plain steps of the same batch (fitted per batch size), the drafter emits "
         f"`E_K` tokens per step (acceptance: {report['acceptance_from']}). Predicted throughput = plain x E_K / "
-        f"(a + b K); K > 0 only where it beats {plan.min_gain:.2f} x the drafter's engine at K=0.",
+        f"(a + b K); K > 0 only where it beats the drafter's engine at K=0 by {plan.min_gain:.2f}x, or by more than "
+        "plain decoding moved between repeats at that batch size.",
         "",
         "## The schedule",
         "",
@@ -498,7 +499,10 @@ def _deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
             accept = ({"all": counts}, f"vLLM's counters in the calibration at K={max(calib)}")
             allowed = [k for k in allowed if k <= len(counts)]
         idle = [s.measured for s in served["idle"].values()]
-        plan = make_plan(measured, accept[0], max(allowed), d.min_gain, d.max_batch, idle=idle, allowed=allowed)
+        noise = {b: s.spread for b, s in served["0"].items()}
+        plan = make_plan(
+            measured, accept[0], max(allowed), d.min_gain, d.max_batch, idle=idle, allowed=allowed, noise=noise
+        )
         k_top = max(k for _, _, k in plan.schedule) if plan.speculates else 0
         vllm_conf = engine_conf(k_top, plan.schedule) if plan.speculates else None
         check = d.schedule or plan.schedule

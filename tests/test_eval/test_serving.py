@@ -141,3 +141,12 @@ def test_the_drafter_held_at_k0_is_the_alternative_inside_its_engine() -> None:
     assert only_two.chosen[32][0] == 2
     one = make_plan(measured, {"all": ALPHA}, 2, 1.02, 64, idle=[idle], allowed=[1])  # 0.944 >= 0.918: still K=1
     assert one.chosen[32] == (1, pytest.approx(expected_tokens(ALPHA, 1) / 1.8))
+
+
+def test_a_gain_inside_the_calibrations_noise_does_not_turn_speculation_on() -> None:
+    measured = [served(0, 4, 100.0, 0, 0, ALPHA), served(1, 4, 100.0, 1.1, 0.4, ALPHA)]
+    k1 = expected_tokens(ALPHA, 1) / 1.5  # 1.133x plain
+    quiet = make_plan(measured, {"all": ALPHA}, 1, 1.02, 64, noise={4: 0.05})
+    assert quiet.chosen[4] == (1, pytest.approx(k1)) and quiet.margin(4) == pytest.approx(1.05)
+    noisy = make_plan(measured, {"all": ALPHA}, 1, 1.02, 64, noise={4: 0.2})  # plain moved 20% between repeats
+    assert noisy.chosen[4] == (0, 1.0) and not noisy.speculates and noisy.to_json()["noise"] == {"4": 0.2}
