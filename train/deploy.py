@@ -394,12 +394,9 @@ def sglang_advice(src: Source, family: str, plan: Plan, export_hint: str) -> str
     off = next((lo for lo, _, k in plan.schedule if k == 0), None)
     if not k1:
         return "Speculation does not pay at batch 1 on this machine: serve SGLang without it."
-    flags = (
-        f"--speculative-algorithm {algo} --speculative-draft-model-path {export_hint.format(fmt=fmt_name)} "
-        f"--speculative-num-steps {k1} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k1 + 1}"
-    )
-    if family == "dflash":
-        flags = f"--speculative-algorithm DFLASH --speculative-draft-model-path {export_hint.format(fmt=fmt_name)}"
+    flags = f"--speculative-algorithm {algo} --speculative-draft-model-path {export_hint.format(fmt=fmt_name)}"
+    if family != "dflash":  # a DFlash block drafts its own length; the chain families take K as steps
+        flags += f" --speculative-num-steps {k1} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k1 + 1}"
     note = (
         f" Measured here, speculation stops paying from batch {off}: above that load serve without it." if off else ""
     )
@@ -476,7 +473,6 @@ def _deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
     # its K can be set between calls (K=0: the draft still runs its first forward, as in a served schedule's "off").
     top = max(allowed)
     ks = sorted(set(allowed) if d.verify else set(calib))
-    served: dict[str, dict[int, Served]] = {}
     with contextlib.ExitStack() as stack:
         plain = stack.enter_context(start_engine(str(target.path), python, None, d, eos))
         engines = {"0": {"start_s": round(plain.start_seconds, 1), "vllm_version": plain.info.get("vllm_version")}}
