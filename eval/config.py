@@ -39,6 +39,7 @@ class EvalConfig(Choices):
         },
         "replay_lanes": at_least(1),
         "bootstrap": at_least(1),
+        "samples": at_least(1),
         "temperature": at_least(0, "0 = greedy"),
         "top_p": between(0, 1, lo_open=True),
         "k": at_least(1),
@@ -60,10 +61,11 @@ class EvalConfig(Choices):
     the configured data sources, e.g. data=jsonl for your own traffic; no synth run needed) | a JSONL or Parquet
     file or glob (every row's prompt is judged; grouped by its ``source`` / ``domain`` field when present)."""
     mode: EvalMode = EvalMode.both
-    """replay | decode | both. replay: tau, alpha and their 95% intervals from replaying the target's greedy
-    continuation of num_prompts prompts per source (one target forward per prompt, see eval/replay.py);
-    decode: real speculative decoding (wall-clock speed, token-for-token check); both: replay for tau, decode
-    for speed on the first decode_prompts prompts per source."""
+    """replay | decode | both. replay: tau, alpha and their 95% intervals from replaying the target's
+    continuation of num_prompts prompts per source (greedy; at temperature > 0 sampled paths, eval.samples per
+    prompt; one target forward per path, see eval/replay.py); decode: real speculative decoding (wall-clock
+    speed, token-for-token check at temperature 0); both: replay for tau, decode for speed on the first
+    decode_prompts prompts per source."""
     num_prompts: int = 200
     """Held-out prompts per source (replay; decode too when mode=decode)."""
     max_new_tokens: int = 256
@@ -74,8 +76,8 @@ class EvalConfig(Choices):
     decode_max_new_tokens: int = 64
     """mode=both: new tokens per decoded prompt (at most max_new_tokens)."""
     continuations_dir: str | None = None
-    """Where the greedy continuations are cached (default: <synth_dir>/replay for prompts=synth, else the eval
-    run dir's replay/)."""
+    """Where the continuations (greedy and sampled) are cached (default: <synth_dir>/replay for prompts=synth,
+    else the eval run dir's replay/)."""
     trace_cache: bool = True
     """Keep each judged prompt's target trace (the hidden states replay feeds the drafters, fp32) on disk beside
     the continuations (``<continuations_dir>/traces``): a second checkpoint or family on the same prompts then
@@ -91,7 +93,17 @@ class EvalConfig(Choices):
     bootstrap: int = 2000
     """Bootstrap replicates for the 95% interval of tau (resampling prompts)."""
     temperature: float = 0.0
+    """0 = greedy; > 0: lossless speculative sampling at this temperature (replay along sampled paths, decode
+    with rejection sampling)."""
     top_p: float = 1.0
+    """Nucleus filter of the target's and the drafter's distributions when sampling."""
+    temperatures: list[float] = field(default_factory=list)
+    """Replay also at each of these temperatures (e.g. [0, 0.7, 1.0]): one tau column per temperature in
+    table.md's "tau by temperature" table, ``by_temperature`` in metrics.json, W&B and compare. Empty: only
+    eval.temperature."""
+    samples: int = 1
+    """Sampled paths per prompt at temperature > 0 (seeds eval.seed, eval.seed + 1, ...): each is one draw of
+    the decoder's trajectory; a prompt's paths are pooled, intervals resample prompts."""
     k: int = 5
     """Chain length K for chain proposers."""
     decode: EvalDecode = EvalDecode.both

@@ -35,19 +35,14 @@ from data.target import Target, load_target
 from data.tracking import Tracker
 from eval.config import EvalRunConfig
 from eval.decoder import SpeculativeDecoder, plain_decode
+from eval.expected import ExpectedAcceptance, expected_acceptance
 from eval.heldout import Prompt, load_heldout, traffic_prompts
 from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
 from eval.metrics import DecodeStats, expected_tokens_per_step
 from eval.proposers import DraftModelProposer, PromptLookupProposer
-from eval.replay import (
-    ContinuationCache,
-    ExpectedAcceptance,
-    TraceCache,
-    bootstrap_tau_ci,
-    describe_interval,
-    expected_acceptance,
-    replay_many,
-)
+from eval.replay import replay_many
+from eval.stats import bootstrap_tau_ci, describe_interval
+from eval.traces import ContinuationCache, Sampling, TraceCache
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +346,7 @@ def acceptance(
 ) -> dict[str, Any]:
     """tau with its 95% bootstrap interval over prompts, alpha_i, the tau histogram, draft tokens per step, and
     each prompt's own counters (``per_prompt``: ids, tokens emitted, verification steps) for paired comparisons
-    between runs judged on the same prompts (``eval.replay.paired_tau_diff``)."""
+    between runs judged on the same prompts (``eval.stats.paired_tau_diff``)."""
     hist: dict[int, int] = {}
     for a in stats.accepted_lengths:
         hist[a + 1] = hist.get(a + 1, 0) + 1
@@ -464,6 +459,24 @@ def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> st
     return "\n".join(lines)
 
 
+def temperature_table(metrics: dict[str, dict[str, Any]], sources: list[str], temps: list[float]) -> str:
+    """tau [95% interval] per method and source at each replayed temperature (``eval.temperatures``)."""
+    cols = [f"{t:g}" for t in temps]
+    lines = [
+        "tau by temperature (replay; sampled paths at T > 0):\n",
+        "| source | method | " + " | ".join(f"T={c}" for c in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for src in sources:
+        for name, per in metrics.items():
+            bt = (per.get(src) or {}).get("by_temperature")
+            if not bt:
+                continue
+            cells = [f"{bt[c]['tau']:.2f} {describe_interval(*bt[c]['tau_ci'])}" if c in bt else "-" for c in cols]
+            lines.append(f"| {src} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -514,15 +527,19 @@ def check_eval_config(e: Any) -> None:
     """Cheap value checks of the eval settings (before anything loads): each within its schema bounds
     (``EvalConfig.bounds``), and the combinations that cannot work."""
     check_bounds(e, "eval.")
-    if e.mode != "decode" and e.temperature > 0:
+    temps = list(e.temperatures or [])
+    bad = [t for t in temps if not isinstance(t, int | float) or isinstance(t, bool) or t < 0]
+    if bad:
+        raise ConfigError(f"eval.temperatures={temps}: each must be a number >= 0 (0 = greedy), got {bad}")
+    if temps and e.mode == "decode":
         raise ConfigError(
-            "eval.mode=replay/both replays the greedy (temperature 0) trajectory; for eval.temperature > 0 use "
-            "eval.mode=decode (lossless rejection sampling in the real decoder)"
+            "eval.temperatures replays at each temperature: use eval.mode=replay or both (or drop eval.temperatures "
+            "and decode at eval.temperature)"
         )
 
 
 def continuations_dir(cfg: EvalRunConfig, run_dir: Path) -> Path:
-    """Where the greedy continuations of the judged prompts are cached."""
+    """Where the continuations (greedy and sampled) of the judged prompts are cached."""
     if cfg.eval.continuations_dir:
         return Path(cfg.eval.continuations_dir)
     if cfg.eval.prompts == "synth":
@@ -530,8 +547,11 @@ def continuations_dir(cfg: EvalRunConfig, run_dir: Path) -> Path:
     return run_dir / "replay"
 
 
-def load_continuations(cfg: EvalRunConfig, target: Target, prompts: list[Prompt], run_dir: Path) -> list[list[int]]:
-    """The target's greedy continuation of every prompt (``eval.max_new_tokens``), from the cache or made now."""
+def load_continuations(
+    cfg: EvalRunConfig, target: Target, prompts: list[Prompt], run_dir: Path, sampling: Sampling | None = None
+) -> list[list[int]]:
+    """The target's continuation of every prompt (``eval.max_new_tokens``; greedy, or sampled at ``sampling``),
+    from the cache or made now."""
     cache = ContinuationCache(continuations_dir(cfg, run_dir), target.fingerprint)
     return cache.get(
         target.model,
@@ -539,30 +559,61 @@ def load_continuations(cfg: EvalRunConfig, target: Target, prompts: list[Prompt]
         cfg.eval.max_new_tokens,
         target.tokenizer.pad_token_id,
         cfg.eval.replay_batch_size,
+        sampling,
     )
+
+
+def samplings(e: Any, temperature: float) -> list[Sampling | None]:
+    """The replayed paths at ``temperature``: the greedy one, or ``eval.samples`` sampled ones (seeds
+    ``eval.seed``, ``eval.seed + 1``, ...)."""
+    if temperature == 0:
+        return [None]
+    return [Sampling(float(temperature), float(e.top_p), int(e.seed) + s) for s in range(int(e.samples))]
 
 
 def replay_methods(
-    cfg: EvalRunConfig, target: Target, prompts: list[Prompt], methods: list[Method], run_dir: Path
+    cfg: EvalRunConfig,
+    target: Target,
+    prompts: list[Prompt],
+    methods: list[Method],
+    run_dir: Path,
+    temperature: float | None = None,
 ) -> tuple[dict[str, Result], dict[str, float]]:
-    """Replay every method that has a proposer on every prompt (continuations cached on disk)."""
+    """Replay every method that has a proposer on every prompt (continuations cached on disk), at
+    ``temperature`` (default ``eval.temperature``): greedy, or along ``eval.samples`` sampled paths per prompt
+    (:mod:`eval.replay`), a prompt's counters pooled over its paths."""
     e = cfg.eval
+    temp = e.temperature if temperature is None else temperature
     t0 = time.perf_counter()
-    conts = load_continuations(cfg, target, prompts, run_dir)
-    t_cont = time.perf_counter() - t0
     proposers = {m.name: m.proposer for m in methods if m.proposer is not None}
     traces = TraceCache(continuations_dir(cfg, run_dir), target.fingerprint) if e.trace_cache else None
-    stats, outputs, trace_s = replay_many(
-        target.model,
-        proposers,
-        prompts,
-        conts,
-        e.max_new_tokens,
-        target.tokenizer.eos_token_id,
-        lanes=e.replay_lanes,
-        trace_cache=traces,
-    )
-    results = {name: finish_result(Result(name=name, outputs=outputs[name]), stats[name]) for name in proposers}
+    t_cont = trace_s = 0.0
+    merged: dict[str, dict[str, list[DecodeStats]]] = {}
+    first_outputs: dict[str, dict[str, list[int]]] = {}
+    for sampling in samplings(e, temp):
+        t1 = time.perf_counter()
+        conts = load_continuations(cfg, target, prompts, run_dir, sampling)
+        t_cont += time.perf_counter() - t1
+        stats, outputs, t_trace = replay_many(
+            target.model,
+            proposers,
+            prompts,
+            conts,
+            e.max_new_tokens,
+            target.tokenizer.eos_token_id,
+            desc="replay" if sampling is None else f"replay {sampling.tag}",
+            lanes=e.replay_lanes,
+            trace_cache=traces,
+            sampling=sampling,
+        )
+        trace_s += t_trace
+        if not merged:
+            merged, first_outputs = stats, outputs
+            continue
+        for name, per in stats.items():  # the same prompts in the same order: pool each prompt's paths
+            for src, xs in per.items():
+                merged[name][src] = [a.merge(b) for a, b in zip(merged[name][src], xs, strict=True)]
+    results = {name: finish_result(Result(name=name, outputs=first_outputs[name]), merged[name]) for name in proposers}
     timings = {
         "continuations_seconds": round(t_cont, 2),
         "trace_seconds": round(trace_s, 2),
@@ -571,10 +622,12 @@ def replay_methods(
         "replay_seconds": round(time.perf_counter() - t0 - t_cont, 2),
     }
     logger.info(
-        "replay: %d prompts x %d tokens, %d methods: continuations %.1f s, target traces %.1f s (%d read from %s), "
-        "in all %.1f s",
+        "replay at temperature %g: %d prompts x %d tokens%s, %d methods: continuations %.1f s, target traces %.1f s "
+        "(%d read from %s), in all %.1f s",
+        temp,
         len(prompts),
         e.max_new_tokens,
+        f" x {e.samples} sampled paths" if temp > 0 else "",
         len(proposers),
         t_cont,
         trace_s,
@@ -589,7 +642,7 @@ def expected_along_paths(
     cfg: EvalRunConfig, target: Target, method: Method, prompts: list[Prompt], base: Result
 ) -> dict[str, tuple[float, list[float]]]:
     """Sampling: the expected tau and alpha_j of a sampled-chain method along plain decoding's sampled outputs
-    (:func:`eval.replay.expected_acceptance`), per source; empty for methods without sampled chain drafts."""
+    (:func:`eval.expected.expected_acceptance`), per source; empty for methods without sampled chain drafts."""
 
     if method.proposer is None:
         return {}
@@ -650,8 +703,15 @@ def run_eval(
     )
     timings: dict[str, float] = {}
     replayed: dict[str, Result] = {}
+    by_temp: dict[float, dict[str, Result]] = {}
     if e.mode in ("replay", "both"):
         replayed, timings = replay_methods(cfg, target, prompts, methods, run_dir)
+        for t in dict.fromkeys(float(x) for x in e.temperatures or []):
+            if t == float(e.temperature):
+                by_temp[t] = replayed
+                continue
+            by_temp[t], tt = replay_methods(cfg, target, prompts, methods, run_dir, temperature=t)
+            timings[f"replay_T{t:g}_seconds"] = round(tt["continuations_seconds"] + tt["replay_seconds"], 2)
     decoded: dict[str, Result] = {}
     base: Result | None = None
     if e.mode in ("decode", "both"):
@@ -671,7 +731,20 @@ def run_eval(
             expected = expected_along_paths(cfg, target, m, dprompts, base)
             for src, (tau_x, alpha_x) in expected.items():
                 metrics[m.name][src].update({"expected_tau": tau_x, "expected_alpha": alpha_x})
+    for t, res in by_temp.items():
+        for name, r in res.items():
+            for src in r.stats:
+                a = acceptance(r.stats[src], r.per_prompt[src], e.bootstrap, e.seed, r.prompt_ids.get(src))
+                keep = ("tau", "tau_ci", "alpha", "prompts", "new_tokens_judged", "per_prompt")
+                metrics[name][src].setdefault("by_temperature", {})[f"{t:g}"] = {k: a[k] for k in keep}
     table = markdown_table(metrics, sources)
+    if e.temperature > 0:
+        table = (
+            f"Sampled at temperature {e.temperature:g}, top-p {e.top_p:g}: tau from {e.samples} sampled path(s) per "
+            f"prompt{' (replay)' if e.mode != 'decode' else ''}.\n\n{table}"
+        )
+    if by_temp:
+        table += "\n\n" + temperature_table(metrics, sources, list(by_temp))
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         run_dir / "metrics.json",
@@ -705,6 +778,11 @@ def run_eval(
         }
         flat.update({f"{name}/{src}/tau_lo": m["tau_ci"][0] for name, per in metrics.items() for src, m in per.items()})
         flat.update({f"{name}/{src}/tau_hi": m["tau_ci"][1] for name, per in metrics.items() for src, m in per.items()})
+        for name, per in metrics.items():
+            for src, m in per.items():
+                for t, bt in (m.get("by_temperature") or {}).items():
+                    flat[f"{name}/{src}/tau@T{t}"] = bt["tau"]
+                    flat[f"{name}/{src}/tau_lo@T{t}"], flat[f"{name}/{src}/tau_hi@T{t}"] = bt["tau_ci"]
         tracker.log(flat)
         if tracker.run is not None:
             import wandb

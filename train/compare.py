@@ -27,7 +27,7 @@ from typing import Any
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from data.config import ConfigError
 from data.manifest import write_manifest
-from eval.replay import describe_paired, paired_tau_diff
+from eval.stats import describe_paired, paired_tau_diff
 from train.config import Config
 
 logger = logging.getLogger(__name__)
@@ -96,15 +96,29 @@ def load_run(entry: str) -> dict[str, Any]:
     dirs = _stage_dirs(stage_dir_of_wandb(path) or path)
     metrics = _read_json(dirs["eval"] / "metrics.json") if "eval" in dirs else None
     if metrics:
+        # a method judged sampled is its own row ("eagle3_chain_k5@T1"): never paired with a greedy judgement
+        temp = float((metrics.get("settings") or {}).get("temperature") or 0)
+
+        def label(method: str, t: float) -> str:
+            return method if t == 0 else f"{method}@T{t:g}"
+
         for method, per in metrics["metrics"].items():
             for src, m in per.items():
-                run["eval"].setdefault(method, {})[src] = {
+                run["eval"].setdefault(label(method, temp), {})[src] = {
                     "tau": m.get("tau"),
                     "tau_ci": m.get("tau_ci"),
                     "prompts": m.get("prompts"),
                     "speedup": m.get("speedup"),
                     "per_prompt": m.get("per_prompt"),
                 }
+                for t, bt in (m.get("by_temperature") or {}).items():  # eval.temperatures: one row per temperature
+                    if float(t) != temp:
+                        run["eval"].setdefault(label(method, float(t)), {})[src] = {
+                            "tau": bt.get("tau"),
+                            "tau_ci": bt.get("tau_ci"),
+                            "prompts": bt.get("prompts"),
+                            "per_prompt": bt.get("per_prompt"),
+                        }
         run["eval_prompts"] = metrics.get("num_prompts")
         run["sources"].append(str(dirs["eval"] / "metrics.json"))
     train = _read_json(dirs["train"] / "manifest.json") if "train" in dirs else None

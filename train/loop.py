@@ -35,8 +35,10 @@ from data.manifest import read_manifest, write_manifest
 from data.target import load_target, output_head
 from data.tracking import Tracker
 from eval.heldout import load_heldout, measure
-from eval.replay import ContinuationCache, TraceCache, bootstrap_tau_ci, replay_many
+from eval.replay import replay_many
 from eval.run import Result, finish_result
+from eval.stats import bootstrap_tau_ci
+from eval.traces import ContinuationCache, TraceCache
 from train.batches import BatchPlan, load_rows
 from train.checkpoints import CorruptCheckpointError, compare_resume_config, verify_checkpoint
 from train.config import Config, DeepSpeedConfig, TrainConfig

@@ -68,9 +68,21 @@ class TargetOutput:
 
 
 class Replayer(Protocol):
-    """Greedy drafting for many replayed prompts at once (:func:`eval.replay.replay_many`): a prompt is admitted
-    into a slot with its traced sequence, then :meth:`propose` drafts after any of the admitted prompts' contexts
-    in one batch. It must draft what the proposer's own :meth:`Proposer.propose` drafts after the same context."""
+    """Drafting for many replayed prompts at once (:func:`eval.replay.replay_many`): a prompt is admitted into a
+    slot with its traced sequence, then :meth:`propose` drafts after any of the admitted prompts' contexts in one
+    batch. It must draft what the proposer's own :meth:`Proposer.propose` drafts after the same context (greedy).
+
+    ``chain``: the proposer drafts a chain, which it samples at temperature > 0; sampled replay then asks
+    :meth:`path_q` instead (a replayer without it is not used for sampled replay). A tree is deterministic at any
+    temperature, and :meth:`propose` serves sampled replay too."""
+
+    chain: bool
+
+    def path_q(self, items: Sequence[tuple[int, int]], temperature: float, top_p: float) -> list[list[float]]:
+        """For each ``(slot, context length L)``: the drafter's probability of each of the traced sequence's next
+        tokens ``seq[L], seq[L + 1], ...`` at its chain positions, drafting those very tokens (teacher-forced, as
+        :attr:`Proposer.forced_tokens`), at ``temperature`` / ``top_p``; one value per chain position."""
+        ...
 
     def admit(self, slot: int, seq: torch.Tensor, hidden: dict[int | str, torch.Tensor]) -> None:
         """Take a prompt into ``slot``: ``seq`` = prompt + continuation, ``hidden`` the target's states of its rows."""
@@ -124,9 +136,9 @@ class Proposer(ABC):
         return None
 
     forced_tokens: list[int] | None = None
-    """Analysis hook (``eval.replay.expected_acceptance``): when set, :meth:`draft_token` drafts these tokens in
-    order instead of choosing (still recording each position's q), so a chain drafter's proposal distributions
-    can be read along a given path. Never set during decoding."""
+    """Sampled replay's hook (:mod:`eval.replay`, also ``eval.expected.expected_acceptance``): when set,
+    :meth:`draft_token` drafts these tokens in order instead of choosing (still recording each position's q), so a
+    chain drafter's proposal distributions can be read along a given path. Never set during decoding."""
 
     def draft_token(self, logits: torch.Tensor, sampled_from: list[torch.Tensor]) -> int:
         """Pick one chain draft token from ``logits`` ``[V]``: argmax at temperature 0, else a sample from

@@ -25,6 +25,7 @@ import torch
 
 from eval.config import Decode
 from eval.proposers.base import Proposer, TargetOutput
+from eval.sampling import logits_to_probs
 from eval.shared_past import SharedPast
 from eval.tree import (
     DraftTree,
@@ -195,8 +196,10 @@ class FeatureHeadReplayer:
 
     def __init__(self, prop: FeatureHeadProposer, slots: int, max_len: int) -> None:
         self.p = prop
+        self.chain = prop.mode == "chain"
         self.slots = int(slots)
         self.max_len = int(max_len)
+        self._seq: list[torch.Tensor | None] = [None] * self.slots
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._out: list[torch.Tensor | None] = [None] * self.slots
@@ -210,6 +213,7 @@ class FeatureHeadReplayer:
             if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
                 self._ids, self._ids_list = ids, ids.tolist()
                 self._logits = lambda x: draft_lm_head(x).float()
+        self._draft_index: torch.Tensor | None = None  # target id -> draft-vocabulary index (-1: not drafted)
 
     def _argmax(self, feat: torch.Tensor) -> torch.Tensor:
         """The greedy token after each row of ``feat`` ``[n, H]``, a target id."""
@@ -245,15 +249,71 @@ class FeatureHeadReplayer:
             self._k[layer][slot, :, :M] = k[0]
             self._v[layer][slot, :, :M] = v[0]
         self._out[slot] = out[0]
+        self._seq[slot] = seq
 
     def release(self, slot: int) -> None:
         self._out[slot] = None
+        self._seq[slot] = None
 
     @torch.inference_mode()
     def propose(self, items: Sequence[tuple[int, int]]) -> list[DraftTree]:
         """The draft after each ``(slot, L)``: the slot's prompt with ``L`` tokens of context (prompt + emitted)."""
         if not items:
             return []
+        root, ks, vs, visible, Lt = self._prepare(items)
+        if self.p.mode == "chain":
+            return self._chain(root, ks, vs, visible, Lt)
+        return self._tree(root, ks, vs, visible, Lt)
+
+    @torch.inference_mode()
+    def path_q(self, items: Sequence[tuple[int, int]], temperature: float, top_p: float) -> list[list[float]]:
+        """Sampled replay of a chain (:class:`~eval.proposers.base.Replayer`): for each ``(slot, L)``, the head's
+        probability of the traced tokens ``seq[L + j]`` at chain position ``j``, feeding it those tokens (what
+        :meth:`FeatureHeadProposer._chain` computes with ``forced_tokens``), ``chain_k`` values (positions past the
+        traced sequence: 0)."""
+        if not items:
+            return []
+        root, ks, vs, visible, Lt = self._prepare(items)
+        p, A, K = self.p, root.shape[0], self.p.chain_k
+        device = root.device
+        ys = torch.zeros(A, K, dtype=torch.long, device=device)
+        real = torch.zeros(A, K, dtype=torch.bool, device=device)
+        for a, (slot, L) in enumerate(items):
+            seq = self._seq[slot]
+            assert seq is not None
+            tail = seq[L : L + K].to(device)
+            ys[a, : tail.numel()] = tail
+            real[a, : tail.numel()] = True
+        feat = root
+        qs = [self._prob(feat, ys[:, 0], temperature, top_p)]
+        pk: list[torch.Tensor] | None = None
+        pv: list[torch.Tensor] | None = None
+        for i in range(1, K):
+            mask = torch.ones(A, 1, 1, i, dtype=torch.bool, device=device)
+            pos = (Lt - 1 + i - 1)[:, None]
+            out, kvs = p.head(feat[:, None], ys[:, i - 1 : i], pos, past=self._past(ks, vs, visible, pk, pv, mask))
+            pk, pv = [k for k, _ in kvs], [v for _, v in kvs]
+            feat = out[:, 0]
+            qs.append(self._prob(feat, ys[:, i], temperature, top_p))
+        return (torch.stack(qs, dim=1) * real).tolist()
+
+    def _prob(self, feat: torch.Tensor, ys: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+        """``[n]``: the probability of target token ``ys[r]`` after row ``r`` of ``feat`` at ``temperature`` /
+        ``top_p`` (over the draft vocabulary where it drafts in it: the same distribution, 0 off it)."""
+        probs = logits_to_probs(self._logits(feat), temperature, top_p)
+        if self._ids is None:
+            return probs.gather(-1, ys[:, None])[:, 0]
+        if self._draft_index is None:
+            n = max(int(self._ids.max()) + 1, int(ys.max()) + 1)
+            self._draft_index = torch.full((n,), -1, dtype=torch.long, device=self._ids.device)
+            self._draft_index[self._ids] = torch.arange(self._ids.numel(), device=self._ids.device)
+        idx = self._draft_index[ys.clamp_max(self._draft_index.numel() - 1)]
+        return probs.gather(-1, idx.clamp_min(0)[:, None])[:, 0] * (idx >= 0)
+
+    def _prepare(
+        self, items: Sequence[tuple[int, int]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The root features, the slots' committed keys / values, their visibility mask and the context lengths."""
         slots = [s for s, _ in items]
         lens = [int(n) for _, n in items]
         outs = [self._out[s] for s in slots]
@@ -270,9 +330,7 @@ class FeatureHeadReplayer:
             vs = [v.index_select(0, idx)[:, :, :S] for v in self._v]
         Lt = torch.tensor(lens, device=root.device)
         visible = (torch.arange(S, device=root.device)[None] < (Lt - 1)[:, None])[:, None, None]
-        if self.p.mode == "chain":
-            return self._chain(root, ks, vs, visible, Lt)
-        return self._tree(root, ks, vs, visible, Lt)
+        return root, ks, vs, visible, Lt
 
     def _past(
         self,

@@ -44,7 +44,7 @@ the heads it accepts 2-deep drafts, its later block positions learn slowly (BENC
 @pytest.fixture(scope="module")
 def traffic(target):  # -> (prompts, continuations)
     from data.render import prompt_ids
-    from eval.replay import greedy_continuations
+    from eval.traces import greedy_continuations
 
     tok = target.tokenizer
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in TEXTS]
@@ -107,7 +107,8 @@ def _same(a: DecodeStats, b: DecodeStats) -> None:
 def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, family: str, tmp_path) -> None:
     from eval.decoder import SpeculativeDecoder
     from eval.heldout import Prompt
-    from eval.replay import TraceCache, replay, replay_many, trace_target
+    from eval.replay import replay, replay_many
+    from eval.traces import Sampling, TraceCache, continuations, trace_target
     from train.drafters import registry
 
     prompts, conts = traffic
@@ -150,11 +151,25 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
                 assert outputs[mode][f"t:{i}"] == refs[mode, i].tokens, (family, mode, i, lanes)
                 _same(per[mode]["t"][i], refs[mode, i].stats)
 
+    # sampled (T=1): along sampled paths, one prompt at a time (the proposer's own drafting with forced tokens) and
+    # many at once (the feature heads' batched path_q, or lanes) walk the same steps: the drafter's probabilities
+    # of the path tokens agree, and the acceptance draws come from per-prompt generators
+    s = Sampling(1.0, 1.0, 0)
+    paths = continuations(target.model, prompts, MAX_NEW, 3, s)
+    assert paths != [list(c) for c in conts]  # sampled, not greedy
+    one, _, _ = replay_many(target.model, prop_of, held, paths, MAX_NEW, eos, lanes=1, trace_cache=traces, sampling=s)
+    many, outs, _ = replay_many(target.model, prop_of, held, paths, MAX_NEW, eos, lanes=2, sampling=s)
+    for mode in prop_of:
+        for i in range(len(prompts)):
+            _same(one[mode]["t"][i], many[mode]["t"][i])
+            assert outs[mode][f"t:{i}"] == paths[i][: len(outs[mode][f"t:{i}"])]  # the path itself is emitted
+
 
 def test_prompt_lookup_replay_equals_decode(target, traffic) -> None:
     from eval.decoder import SpeculativeDecoder
     from eval.proposers import PromptLookupProposer
-    from eval.replay import replay, trace_target
+    from eval.replay import replay
+    from eval.traces import trace_target
 
     prompts, conts = traffic
     eos = target.tokenizer.eos_token_id
@@ -169,7 +184,7 @@ def test_prompt_lookup_replay_equals_decode(target, traffic) -> None:
 
 
 def test_bootstrap_interval() -> None:
-    from eval.replay import bootstrap_tau_ci
+    from eval.stats import bootstrap_tau_ci
 
     def stats(acc: list[int]) -> DecodeStats:
         s = DecodeStats()
@@ -190,7 +205,7 @@ def test_bootstrap_interval() -> None:
 def test_paired_difference_sees_what_separate_intervals_cannot() -> None:
     """Prompts vary a lot (tau 1.2 .. 3.0) but b beats a by ~0.1 on every one: the separate intervals overlap,
     the paired interval excludes zero; the pairing is by id, whatever the order; unpairable input gives None."""
-    from eval.replay import describe_paired, paired_tau_diff
+    from eval.stats import describe_paired, paired_tau_diff
 
     ids = [f"s:{i}" for i in range(30)]
     steps = [40] * 30
@@ -216,8 +231,8 @@ def test_expected_acceptance_matches_the_sampled_decoder(target_and_draft, tempe
     """Sampling: tau expected from the target's and the drafter's distributions along sampled paths agrees with
     the tau the lossless sampling decoder really reaches (same pair, same K, 120 generations each)."""
     from eval.decoder import SpeculativeDecoder, plain_decode
+    from eval.expected import ExpectedAcceptance, expected_acceptance
     from eval.proposers import DraftModelProposer
-    from eval.replay import ExpectedAcceptance, expected_acceptance
 
     pair = target_and_draft
     k, n = 3, 32
@@ -242,11 +257,45 @@ def test_expected_acceptance_matches_the_sampled_decoder(target_and_draft, tempe
     assert all(0.0 <= a <= 1.0 for a in alpha)
 
 
+@pytest.mark.parametrize(("mode", "temperature"), [("chain", 1.0), ("chain", 0.6), ("tree", 0.6)])
+def test_sampled_replay_matches_the_sampled_decoder(target_and_draft, mode: str, temperature: float) -> None:
+    """Sampled replay (a path sampled from the target, the decoder's acceptance law along it) reaches the tau and
+    per-position acceptance of the lossless sampling decoder itself: same pair, same drafts, 300 generations each
+    (120 for the tree; replay within 3% of the decoder; the two samples differed by <= 0.7% on this pair)."""
+    from eval.decoder import SpeculativeDecoder
+    from eval.proposers import DraftModelProposer
+    from eval.replay import replay
+    from eval.traces import Sampling, continuations, trace_target
+
+    pair = target_and_draft
+    n, seeds = 32, 100 if mode == "chain" else 40  # the tree accepts little here (tau ~1.05): less spread
+    vocab = pair.target.config.vocab_size
+    shape = {"num_tokens": 3} if mode == "chain" else {"tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 6}
+    prompts = [p[0].tolist() for p in pair.prompts]
+    decoded, replayed = DecodeStats(), DecodeStats()
+    for seed in range(seeds):
+        s = Sampling(temperature, 1.0, seed)
+        for p, path in zip(prompts, continuations(pair.target, prompts, n, len(prompts), s), strict=True):
+            prop = DraftModelProposer(pair.draft, vocab, mode=mode, **shape)
+            gen = torch.Generator().manual_seed(seed)
+            r = SpeculativeDecoder(pair.target, prop, temperature=temperature).generate(torch.tensor([p]), n, None, gen)
+            decoded = decoded.merge(r.stats)
+            trace = trace_target(pair.target, p, path, None, False, s)
+            replayed = replayed.merge(
+                replay(DraftModelProposer(pair.draft, vocab, mode=mode, **shape), trace, n, None, s)[1]
+            )
+    if mode == "chain":
+        assert decoded.tau() > 2.5  # the pair accepts deep: every draft position matters
+    assert replayed.tau() == pytest.approx(decoded.tau(), rel=0.03)
+    assert replayed.alpha()[0] == pytest.approx(decoded.alpha()[0], abs=0.03)
+    assert replayed.new_tokens == decoded.new_tokens == seeds * len(prompts) * n
+
+
 def test_continuation_cache_reuses_prefixes_and_survives_an_unwritable_dir(tmp_path, target_and_draft, caplog) -> None:
     """Continuations are made once: a shorter budget is served by prefix (no model call), a new prompt adds a row;
     an unwritable cache directory only costs a warning."""
     from eval.decoder import plain_decode
-    from eval.replay import ContinuationCache
+    from eval.traces import ContinuationCache
 
     model = target_and_draft.target
     prompts = [p[0].tolist() for p in target_and_draft.prompts]
@@ -275,7 +324,7 @@ def test_trace_cache_reads_back_adds_layers_and_survives_bad_files(target, traff
     """A stored trace is read back bit for bit; a request for a layer it lacks recomputes it with the union of
     layers (so the next family finds both); a corrupt file or one holding another prompt is recomputed; another
     target's fingerprint never reads it; an unwritable directory only costs a warning."""
-    from eval.replay import TraceCache, trace_target
+    from eval.traces import TraceCache, trace_target
 
     prompts, conts = traffic
     p, c = prompts[0], conts[0]

@@ -188,9 +188,10 @@ def test_any_traffic_file_is_the_judge_in_replay_mode(tmp_path: Path, run_env: d
     assert "bad_json" in res.stderr + res.stdout  # the broken row is skipped and counted
 
 
-def test_sampling_reports_expected_tau_next_to_decoded(tmp_path: Path, run_env: dict[str, str]) -> None:
-    """eval.temperature>0 (decode mode): the sampled chain's expected tau along plain decoding's sampled paths is
-    reported beside the decoded tau; replay modes refuse sampling with a clear error."""
+def test_sampling_replays_sampled_paths_at_every_temperature(tmp_path: Path, run_env: dict[str, str]) -> None:
+    """eval.temperature>0: tau from sampled replay (eval.samples paths per prompt) beside the sampling decoder's own
+    tau and the expected tau along its sampled paths; eval.temperatures adds one column per temperature (table,
+    metrics, by_temperature); bad temperature lists are refused before any work."""
     (tmp_path / "t.jsonl").write_text(
         "\n".join(json.dumps({"prompt": f"Count from {i} to {i + 9}, comma separated."}) for i in range(2)) + "\n"
     )
@@ -205,11 +206,22 @@ def test_sampling_reports_expected_tau_next_to_decoded(tmp_path: Path, run_env: 
         f"synth_dir={tmp_path / 'none'}",
         "wandb.mode=disabled",
     ]
-    refused = _eval([*common, f"hydra.run.dir={tmp_path / 'refused'}"], run_env)
-    assert refused.returncode != 0 and "eval.mode=decode" in refused.stderr + refused.stdout
+    for bad, says in (
+        (["eval.temperatures=[0,-1]"], "eval.temperatures"),
+        (["eval.mode=decode", "eval.temperatures=[0,1]"], "eval.mode=replay or both"),
+    ):
+        refused = _eval([*common, *bad, f"hydra.run.dir={tmp_path / 'refused'}"], run_env)
+        assert refused.returncode == 2 and says in refused.stderr + refused.stdout, bad
+        assert not (tmp_path / "refused" / "metrics.json").exists()
     out = tmp_path / "eval"
-    res = _eval([*common, "eval.mode=decode", f"hydra.run.dir={out}"], run_env)
+    res = _eval([*common, "eval.samples=2", "eval.temperatures=[0,0.8]", f"hydra.run.dir={out}"], run_env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((out / "metrics.json").read_text())["metrics"]["draft_model_chain_k3"]["all"]
-    assert m["tau_from"] == "decode" and 1.0 <= m["expected_tau"] <= 4.0 and len(m["expected_alpha"]) == 3
-    assert "(expected " in (out / "table.md").read_text()
+    assert m["tau_from"] == "replay" and m["prompts"] == 2 and 2 * 16 < m["new_tokens_judged"] <= 2 * 2 * 16
+    assert 1.0 <= m["expected_tau"] <= 4.0 and len(m["expected_alpha"]) == 3 and m["decode_tau"] >= 1.0
+    assert set(m["by_temperature"]) == {"0", "0.8"} and m["by_temperature"]["0.8"]["tau"] == m["tau"]
+    assert m["by_temperature"]["0"]["new_tokens_judged"] <= 2 * 16  # greedy: one path per prompt (to its eos)
+    table = (out / "table.md").read_text()
+    assert "Sampled at temperature 0.8" in table and "| T=0 | T=0.8 |" in table and "(expected " in table
+    conts = (out / "replay" / "continuations.jsonl").read_text().splitlines()
+    assert len(conts) == 2 + 2 * 2  # greedy + two sampled paths per prompt, each cached under its own key

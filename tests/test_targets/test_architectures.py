@@ -136,7 +136,8 @@ def _same(a: Any, b: Any) -> None:
 def test_family_on_the_architecture(tiny_root: Path, tmp_path: Path, arch: str, family: str) -> None:
     from data.render import prompt_ids
     from eval.decoder import SpeculativeDecoder, plain_decode
-    from eval.replay import greedy_continuations, replay, trace_target
+    from eval.replay import replay
+    from eval.traces import greedy_continuations, trace_target
     from train.drafters import registry
     from train.export import export_drafter
     from train.export.core import ExportError, Source, get_format, valid_pairs

@@ -43,6 +43,33 @@ def test_compare_pairs_runs_judged_on_the_same_prompts(tmp_path: Path) -> None:
     assert "| vs a: eagle_chain_k5 [all]" in table and "within intervals" in table  # the separate intervals overlap
 
 
+def test_compare_keeps_each_temperature_in_its_own_rows(tmp_path: Path) -> None:
+    """A run judged sampled (eval.temperature=1) and eval.temperatures' columns are rows of their own
+    ("method@T1"): a sampled tau is never set against, or paired with, a greedy one."""
+    ids = [f"sharegpt:{i}" for i in range(24)]
+    pp = {"ids": ids, "emitted": [40] * 24, "steps": [20] * 24}
+    greedy = load_run(str(_eval_dir(tmp_path, "greedy", 2.0, 1.9, 2.1, pp)))
+    d = _eval_dir(tmp_path, "sampled", 1.6, 1.5, 1.7, {**pp, "emitted": [32] * 24}) / "eval"
+    metrics = json.loads((d / "metrics.json").read_text())
+    metrics["settings"] = {"temperature": 1.0}
+    for m in metrics["metrics"]["eagle_chain_k5"].values():
+        m["by_temperature"] = {
+            "0": {"tau": 2.1, "tau_ci": [2.0, 2.2], "prompts": 24, "per_prompt": {**pp, "emitted": [42] * 24}},
+            "1": {"tau": 1.6, "tau_ci": [1.5, 1.7], "prompts": 24, "per_prompt": pp},
+        }
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    sampled = load_run(str(d.parent))
+    assert set(sampled["eval"]) == {"eagle_chain_k5", "eagle_chain_k5@T1"}
+    assert sampled["eval"]["eagle_chain_k5@T1"]["all"]["tau"] == 1.6  # the run's own, sampled judgement
+    assert sampled["eval"]["eagle_chain_k5"]["all"]["tau"] == 2.1  # its greedy column, beside other greedy runs
+    table = markdown([greedy, sampled])
+    assert "| tau eagle_chain_k5@T1 [all] | - | 1.60 [1.50, 1.70] |" in table
+    row = next(
+        line for line in table.splitlines() if line.startswith("| paired tau diff vs greedy: eagle_chain_k5 [all]")
+    )
+    assert "+0.100 [+0.100, +0.100], 24 better / 0 worse of 24" in row  # greedy vs greedy, paired by prompt
+
+
 def test_compare_never_silently_replaces_another_comparison(tmp_path: Path) -> None:
     import os
     import subprocess
