@@ -21,6 +21,13 @@ class Decode(Choice):
     tree = "tree"
 
 
+class DraftSampling(Choice):
+    """How a chain is drafted at temperature > 0."""
+
+    sampled = "sampled"
+    greedy = "greedy"
+
+
 class EvalDecode(Choice):
     chain = "chain"
     tree = "tree"
@@ -101,6 +108,10 @@ class EvalConfig(Choices):
     """Replay also at each of these temperatures (e.g. [0, 0.7, 1.0]): one tau column per temperature in
     table.md's "tau by temperature" table, ``by_temperature`` in metrics.json, W&B and compare. Empty: only
     eval.temperature."""
+    draft_sampling: DraftSampling = DraftSampling.sampled
+    """At temperature > 0: sampled (each chain token drawn from the drafter's q, accepted with min(1, p/q); the
+    higher acceptance) | greedy (chains drafted by argmax, accepted with p(x): what vLLM does by default,
+    draft_sample_method="greedy"). Trees are drafted by ranking either way. No effect at temperature 0."""
     samples: int = 1
     """Sampled paths per prompt at temperature > 0 (seeds eval.seed, eval.seed + 1, ...): each is one draw of
     the decoder's trajectory; a prompt's paths are pooled, intervals resample prompts."""

@@ -255,6 +255,9 @@ def build_methods(cfg: EvalRunConfig, target: Target, load_drafter: DrafterLoade
                 return hf_prompt_lookup_generate(target.model, ids, n, e.k, eos_token_id=eos)
 
             methods.append(Method(f"hf_prompt_lookup_k{e.k}", _hf_peer(target, lookup, _decode_budget(e)[1]), e.k))
+    for m in methods:
+        if m.proposer is not None:
+            m.proposer.greedy_drafts = e.draft_sampling == "greedy"
     return methods
 
 
@@ -740,8 +743,8 @@ def run_eval(
     table = markdown_table(metrics, sources)
     if e.temperature > 0:
         table = (
-            f"Sampled at temperature {e.temperature:g}, top-p {e.top_p:g}: tau from {e.samples} sampled path(s) per "
-            f"prompt{' (replay)' if e.mode != 'decode' else ''}.\n\n{table}"
+            f"Sampled at temperature {e.temperature:g}, top-p {e.top_p:g}, chains drafted {e.draft_sampling}: tau from "
+            f"{e.samples} sampled path(s) per prompt{' (replay)' if e.mode != 'decode' else ''}.\n\n{table}"
         )
     if by_temp:
         table += "\n\n" + temperature_table(metrics, sources, list(by_temp))

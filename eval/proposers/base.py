@@ -72,9 +72,10 @@ class Replayer(Protocol):
     slot with its traced sequence, then :meth:`propose` drafts after any of the admitted prompts' contexts in one
     batch. It must draft what the proposer's own :meth:`Proposer.propose` drafts after the same context (greedy).
 
-    ``chain``: the proposer drafts a chain, which it samples at temperature > 0; sampled replay then asks
-    :meth:`path_q` instead (a replayer without it is not used for sampled replay). A tree is deterministic at any
-    temperature, and :meth:`propose` serves sampled replay too."""
+    ``chain``: the proposer drafts a chain that it samples at temperature > 0; sampled replay then asks
+    :meth:`path_q` instead (a replayer without it is not used for sampled replay). A tree, or a chain drafted by
+    argmax (:attr:`Proposer.greedy_drafts`), is deterministic at any temperature, and :meth:`propose` serves
+    sampled replay too."""
 
     chain: bool
 
@@ -135,6 +136,11 @@ class Proposer(ABC):
         this proposer drafts one prompt at a time in replay (the default)."""
         return None
 
+    greedy_drafts: bool = False
+    """Draft a chain by argmax at any temperature (vLLM's default ``draft_sample_method="greedy"``): the chain is
+    then deterministic (no ``draft_probs``), verified with delta proposals (accepted with probability ``p(x)``),
+    lossless like any draft. False: sample it from q at temperature > 0 (Leviathan et al. 2023)."""
+
     forced_tokens: list[int] | None = None
     """Sampled replay's hook (:mod:`eval.replay`, also ``eval.expected.expected_acceptance``): when set,
     :meth:`draft_token` drafts these tokens in order instead of choosing (still recording each position's q), so a
@@ -143,7 +149,9 @@ class Proposer(ABC):
     def draft_token(self, logits: torch.Tensor, sampled_from: list[torch.Tensor]) -> int:
         """Pick one chain draft token from ``logits`` ``[V]``: argmax at temperature 0, else a sample from
         q = logits_to_probs(logits) (drawn from ``self.generator``), with q appended to ``sampled_from``
-        (the chain's ``draft_probs``, needed for lossless rejection sampling)."""
+        (the chain's ``draft_probs``, needed for lossless rejection sampling). With :attr:`greedy_drafts`: argmax."""
+        if self.greedy_drafts:
+            return int(logits.argmax())
         if self.forced_tokens is not None:
             sampled_from.append(logits_to_probs(logits, self.temperature or 1.0, self.top_p).cpu())
             return int(self.forced_tokens.pop(0)) if self.forced_tokens else int(logits.argmax())

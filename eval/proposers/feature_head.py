@@ -196,7 +196,7 @@ class FeatureHeadReplayer:
 
     def __init__(self, prop: FeatureHeadProposer, slots: int, max_len: int) -> None:
         self.p = prop
-        self.chain = prop.mode == "chain"
+        self.chain = prop.mode == "chain" and not prop.greedy_drafts  # a chain it samples at temperature > 0
         self.slots = int(slots)
         self.max_len = int(max_len)
         self._seq: list[torch.Tensor | None] = [None] * self.slots
