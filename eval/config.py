@@ -48,6 +48,7 @@ class EvalConfig(Choices):
         "bootstrap": at_least(1),
         "samples": at_least(1),
         "temperature": at_least(0, "0 = greedy"),
+        "temperatures": at_least(0, "0 = greedy"),
         "top_p": between(0, 1, lo_open=True),
         "k": at_least(1),
         "tree_depth": at_least(1, "or null: the drafter's own"),

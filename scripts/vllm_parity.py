@@ -20,6 +20,12 @@ Two halves, two environments:
   the same prompt token ids one request at a time at temperature 0, and reads vLLM's spec-decode counters
   around each request (``llm.get_metrics()``: drafts, draft tokens, accepted tokens, accepted per position).
 
+At a temperature (``--temperature 1 --samples 8``) the two sides are independent draws of the same law: vLLM serves
+``--samples`` seeded requests per prompt (chains drafted by argmax, vLLM's default ``draft_sample_method``), ours is
+sampled replay (:mod:`eval.replay`) along as many paths sampled from the target per prompt, with the chain drafted
+by argmax too; the report gives our tau with its 95% bootstrap interval over prompts, whether vLLM's tau lies inside
+it, and vLLM minus ours paired by prompt.
+
 Both sides count the same way (vLLM: ``mean acceptance length = 1 + accepted / drafts``; ours: tau =
 mean(accepted + 1) over verification steps, bonus token included), so for identical outputs and drafts the
 numbers must agree; the comparison is reported per prompt and in total, with the outputs compared token by
@@ -86,10 +92,18 @@ def engine_main(args: argparse.Namespace) -> None:
         speculative_config=spec_config(args.draft, args.k, args.method),
     )
     init_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False)
     rows = []
     t0 = time.perf_counter()
-    for p in prompts:
+    # greedy: one request per prompt; sampled: --samples requests per prompt, each with its own seed
+    requests = [(p, s) for p in prompts for s in range(args.samples if args.temperature > 0 else 1)]
+    for p, s in requests:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_new_tokens,
+            ignore_eos=False,
+            seed=10_000 * s + int(p.get("index", 0)) if args.temperature > 0 else None,
+        )
         before = read_counters(llm)
         out = llm.generate([TokensPrompt(prompt_token_ids=p["input_ids"])], params, use_tqdm=False)[0]
         after = read_counters(llm)
@@ -99,6 +113,7 @@ def engine_main(args: argparse.Namespace) -> None:
             {
                 "id": p["id"],
                 "source": p["source"],
+                "sample": s,
                 "tokens": list(out.outputs[0].token_ids),
                 "finish_reason": out.outputs[0].finish_reason,
                 "drafts": after["drafts"] - before["drafts"],
@@ -202,6 +217,88 @@ def ours(target: Any, prop: Any, prompts: list[Any], k: int, max_new_tokens: int
         counted = split_conventions(r.tokens, r.stats.accepted_lengths, max_new_tokens, k)
         rows.append({"id": p.id, "source": p.source, **counted})
     return rows
+
+
+def ours_sampled(
+    target: Any,
+    prop: Any,
+    prompts: list[Any],
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    samples: int,
+) -> list[dict[str, Any]]:
+    """Our sampled replay (``eval.replay`` along ``samples`` paths sampled from the target per prompt) with the chain
+    drafted by argmax, as vLLM drafts it by default (``draft_sample_method="greedy"``; the proposer's
+    ``greedy_drafts``): per prompt, the steps and accepted drafts pooled over its paths, counted both ways
+    (:func:`split_conventions`, from paths ``K`` tokens longer than the budget)."""
+    from eval.replay import replay_many
+    from eval.traces import Sampling, continuations
+
+    prop.greedy_drafts = True
+    eos = target.tokenizer.eos_token_id
+    rows = [{"id": p.id, "source": p.source, "steps": 0, "accepted": 0, "accepted_engine": 0} for p in prompts]
+    rows_a: list[list[int]] = [[] for _ in prompts]
+    for s in range(samples):
+        sampling = Sampling(temperature, top_p, s)
+        paths = continuations(target.model, [p.input_ids for p in prompts], max_new_tokens + k, 8, sampling)
+        stats, outputs, _ = replay_many(
+            target.model, {"d": prop}, prompts, paths, max_new_tokens + k, eos, lanes=8, sampling=sampling
+        )
+        order = {src: iter(lst) for src, lst in stats["d"].items()}  # per source, in prompt order
+        for i, p in enumerate(prompts):
+            st = next(order[p.source])
+            c = split_conventions(outputs["d"][f"{p.source}:{p.id}"], st.accepted_lengths, max_new_tokens, k)
+            for key in ("steps", "accepted", "accepted_engine"):
+                rows[i][key] += c[key]
+            rows_a[i] += st.accepted_lengths[: c["steps"]]
+    for r, acc in zip(rows, rows_a, strict=True):
+        r["accepted_lengths_engine"] = acc
+    return rows
+
+
+def compare_sampled(our_rows: list[dict[str, Any]], eng_rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """Sampled: ours and vLLM's are independent draws of the same law on the same prompts. tau both ways, our
+    replay's 95% bootstrap interval (engine counting), and vLLM minus ours paired by prompt (eval.stats)."""
+    from eval.metrics import DecodeStats
+    from eval.stats import bootstrap_tau_ci, paired_tau_diff
+
+    eng: dict[str, dict[str, int]] = {}
+    for e in eng_rows:  # pool each prompt's requests
+        d = eng.setdefault(f"{e['source']}:{e['id']}", {"drafts": 0, "accepted": 0, "requests": 0})
+        d["drafts"] += e["drafts"]
+        d["accepted"] += e["accepted"]
+        d["requests"] += 1
+    ids = [f"{o['source']}:{o['id']}" for o in our_rows]
+    ours_pp = {
+        "ids": ids,
+        "emitted": [o["steps"] + o["accepted_engine"] for o in our_rows],
+        "steps": [o["steps"] for o in our_rows],
+    }
+    vllm_pp = {
+        "ids": ids,
+        "emitted": [eng[i]["drafts"] + eng[i]["accepted"] for i in ids],
+        "steps": [eng[i]["drafts"] for i in ids],
+    }
+    per_prompt_stats = [DecodeStats(accepted_lengths=list(o["accepted_lengths_engine"])) for o in our_rows]
+    lo, hi = bootstrap_tau_ci(per_prompt_stats)
+    o_steps = sum(o["steps"] for o in our_rows)
+    e_drafts, e_acc = sum(d["drafts"] for d in eng.values()), sum(d["accepted"] for d in eng.values())
+    tau_vllm = _tau(e_acc, e_drafts)
+    return {
+        "k": k,
+        "prompts": len(our_rows),
+        "requests_vllm": sum(d["requests"] for d in eng.values()),
+        "tau_ours": _tau(sum(o["accepted"] for o in our_rows), o_steps),
+        "tau_ours_engine": _tau(sum(o["accepted_engine"] for o in our_rows), o_steps),
+        "tau_ours_engine_ci": [lo, hi],
+        "tau_vllm": tau_vllm,
+        "vllm_inside_our_interval": bool(lo <= tau_vllm <= hi),
+        "paired_vllm_minus_ours": paired_tau_diff(ours_pp, vllm_pp),
+        "steps_ours": o_steps,
+        "drafts_vllm": e_drafts,
+    }
 
 
 def split_conventions(tokens: list[int], accepted_lengths: list[int], max_new_tokens: int, k: int) -> dict[str, Any]:
@@ -333,6 +430,7 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     from data.config import TargetConfig
     from data.target import load_target
     from eval.heldout import load_heldout
+    from eval.stats import describe_paired
 
     if not (Path(args.synth_dir) / "manifest.json").is_file():
         raise SystemExit(
@@ -362,7 +460,10 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     else:
         draft_dir = prepare_draft(args.draft, target, out / "draft")
     (out / "prompts.json").write_text(
-        json.dumps([{"id": p.id, "source": p.source, "input_ids": p.input_ids} for p in prompts]), encoding="utf-8"
+        json.dumps(
+            [{"id": p.id, "source": p.source, "index": i, "input_ids": p.input_ids} for i, p in enumerate(prompts)]
+        ),
+        encoding="utf-8",
     )
     engine_py = Path(args.engine_python)
     if not engine_py.is_file():
@@ -384,7 +485,13 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
             if args.drafter
             else draft_model_proposer(target, draft_dir, k)
         )
-        our_rows = ours(target, prop, prompts, k, args.max_new_tokens)
+        sampled = args.temperature > 0
+        if sampled:
+            our_rows = ours_sampled(
+                target, prop, prompts, k, args.max_new_tokens, args.temperature, args.top_p, args.samples
+            )
+        else:
+            our_rows = ours(target, prop, prompts, k, args.max_new_tokens)
         ours_s = time.perf_counter() - t0
         eng_out = out / f"vllm_k{k}.json"
         cmd = [
@@ -404,6 +511,8 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
             "--out",
             str(eng_out),
             *(["--method", method] if method else []),
+            *(["--temperature", str(args.temperature), "--top-p", str(args.top_p)] if sampled else []),
+            *(["--samples", str(args.samples)] if sampled else []),
         ]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
         env.pop("PYTHONPATH", None)
@@ -416,6 +525,20 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
             log = out / f"vllm_k{k}.log"
             raise SystemExit(f"vLLM run failed (rc {res.returncode}); log: {log}\n{res.stderr[-3000:]}")
         eng = json.loads(eng_out.read_text(encoding="utf-8"))
+        if sampled:
+            cmp = compare_sampled(our_rows, eng["rows"], k)
+            cmp.update({"ours_s": round(ours_s, 1), "vllm_init_s": eng["init_s"], "vllm_generate_s": eng["generate_s"]})
+            results["runs"].append(cmp)
+            lo, hi = cmp["tau_ours_engine_ci"]
+            print(
+                f"K={k} T={args.temperature:g} ({args.samples} samples per prompt, {cmp['prompts']} prompts): tau ours "
+                f"(sampled replay, argmax chain, engine counting) {cmp['tau_ours_engine']:.4f} [{lo:.4f}, {hi:.4f}] | "
+                f"vLLM {cmp['tau_vllm']:.4f} ({cmp['drafts_vllm']} drafts) | inside our interval: "
+                f"{cmp['vllm_inside_our_interval']} | vLLM - ours paired by prompt: "
+                f"{describe_paired(cmp['paired_vllm_minus_ours'])}",
+                flush=True,
+            )
+            continue
         cmp = compare(our_rows, eng["rows"], k)
         cmp.update({"ours_s": round(ours_s, 1), "vllm_init_s": eng["init_s"], "vllm_generate_s": eng["generate_s"]})
         results["runs"].append(cmp)
@@ -445,6 +568,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         ap.add_argument("--method", default=None, help="speculative_config method (eagle3); none: a draft model")
         ap.add_argument("--dtype", default="float32")
         ap.add_argument("--max-model-len", type=int, default=2048)
+        ap.add_argument("--temperature", type=float, default=0.0)
+        ap.add_argument("--top-p", type=float, default=1.0)
+        ap.add_argument("--samples", type=int, default=1)
         ns = ap.parse_args(argv[1:])
         ns.mode = "engine"
         return ns
@@ -475,6 +601,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: vLLM samples (--samples seeded requests per prompt, chains drafted by argmax, vLLM's default), "
+        "ours is sampled replay with argmax chains; compared statistically (ours' interval, paired by prompt)",
+    )
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--samples", type=int, default=4, help="sampled generations per prompt (with --temperature)")
     ap.add_argument("--out", default=None, help="default <runs>/parity")
     ap.add_argument("--engine-python", default=str(ENGINE_PY))
     ap.add_argument("--engine-timeout", type=int, default=900)

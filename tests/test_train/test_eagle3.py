@@ -562,3 +562,74 @@ def test_feature_loss_regresses_what_the_lm_head_reads_onto_the_targets_last_sta
     assert regs[0] == pytest.approx(float(direct), rel=1e-4)
     with pytest.raises(ConfigError, match="feature_loss"):
         spec.build(spec.config_cls(feature_loss=-1.0), target.model)
+
+
+def test_acceptance_losses_measure_the_overlap_that_sampling_accepts() -> None:
+    """drafter.loss=tv / lk / lk_hybrid: 1 - sum min(p, q), -log of it, and the KL/TV blend, on distributions whose
+    overlap is known; all zero (and TV's and LK's gradients zero) when q equals p; a step on TV raises the overlap;
+    an unknown kind is refused."""
+    from train.drafters.layers import acceptance_loss
+
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    q_logits = torch.log(torch.tensor([[0.2, 0.2, 0.2, 0.4]]))  # overlap min: 0.2 + 0.2 + 0.2 + 0 = 0.6
+    tv, top = acceptance_loss(q_logits, p, "tv")
+    assert float(tv) == pytest.approx(0.4, abs=1e-6) and int(top) == 3
+    assert float(acceptance_loss(q_logits, p, "lk")[0]) == pytest.approx(-torch.log(torch.tensor(0.6)).item(), 1e-5)
+    kl = float((p[p > 0] * (p[p > 0].log() - q_logits[p > 0])).sum())
+    w = float(torch.exp(torch.tensor(-3.0 * 0.6)))
+    assert float(acceptance_loss(q_logits, p, "lk_hybrid")[0]) == pytest.approx(w * kl + (1 - w) * 0.4, rel=1e-5)
+    # at temperature 2 the draft is flattened before the overlap is taken
+    flat = torch.softmax(q_logits / 2, -1)
+    assert float(acceptance_loss(q_logits, p, "tv", temperature=2.0)[0]) == pytest.approx(
+        1 - float(torch.minimum(flat, p).sum()), abs=1e-6
+    )
+    same = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]])).requires_grad_()
+    for kind in ("tv", "lk", "lk_hybrid"):
+        loss, _ = acceptance_loss(same, p, kind)
+        assert float(loss) == pytest.approx(0.0, abs=1e-5), kind
+    x = q_logits.clone().requires_grad_()
+    acceptance_loss(x, p, "tv")[0].backward()
+    stepped = x.detach() - 1.0 * x.grad
+    assert float(acceptance_loss(stepped, p, "tv")[0]) < 0.4
+    with pytest.raises(ValueError, match="unknown acceptance loss"):
+        acceptance_loss(q_logits, p, "js")
+
+
+@pytest.mark.parametrize("loss", ["tv", "lk", "lk_hybrid"])
+def test_eagle3_trains_on_an_acceptance_loss(target, loss: str) -> None:
+    """The head's TTT loss with drafter.loss=<kind>: a different value from the KL loss on the same batch, and a few
+    Adam steps on it raise the draft's overlap with the target's distribution at every TTT step."""
+    from train.batches import Row
+    from train.drafters.registry import TargetFeatures, TrainBatch
+
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    mask = torch.ones_like(ids)
+    batch = TrainBatch(ids, mask, torch.cat([mask[:, :4] * 0, mask[:, 4:]], 1))
+    feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
+    row = [Row(ids[0].tolist(), [0] * 4 + [1] * (ids.shape[1] - 4))]
+    spec, kl_cfg, kl_head = _head(target, draft_vocab_size=512, ttt_steps=2)
+    spec.prepare(kl_head, row, kl_cfg, target.model)
+    spec, cfg, head = _head(target, draft_vocab_size=512, ttt_steps=2, loss=loss)
+    spec.prepare(head, row, cfg, target.model)
+    with torch.no_grad():
+        assert (
+            abs(float(spec.loss(head, batch, feats, cfg)[0]) - float(spec.loss(kl_head, batch, feats, kl_cfg)[0]))
+            > 1e-3
+        )
+
+    def tv_now() -> float:
+        tv_cfg = spec.config_cls(**{**cfg.__dict__, "loss": "tv"})
+        with torch.no_grad():
+            return float(spec.loss(head.eval(), batch, feats, tv_cfg)[0])
+
+    before = tv_now()
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    head.train()
+    for _ in range(8):
+        loss_value, _ = spec.loss(head, batch, feats, cfg)
+        opt.zero_grad()
+        loss_value.backward()
+        opt.step()
+    assert tv_now() < before - 0.05  # the summed TV over both TTT steps fell: the overlap grew

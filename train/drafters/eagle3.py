@@ -38,13 +38,14 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from data.config import Bound, Choices, ConfigError, above, at_least, between
+from data.config import Bound, Choice, Choices, ConfigError, above, at_least, between
 from eval.config import DRAFT_SHAPE_BOUNDS, Decode
 from eval.proposers.feature_head import FeatureHeadProposer
 from eval.shared_past import SharedPast
 from train.drafters.layers import (
     KV,
     DraftAttention,
+    acceptance_loss,
     draft_layer_config,
     gather_rows,
     lm_head_rows,
@@ -65,6 +66,15 @@ from train.drafters.vocab import (
 logger = logging.getLogger(__name__)
 
 
+class DraftLoss(Choice):
+    """What a draft position's loss measures against the target's distribution."""
+
+    kl = "kl"
+    tv = "tv"
+    lk = "lk"
+    lk_hybrid = "lk_hybrid"
+
+
 @dataclass
 class Eagle3Config(Choices):
     """EAGLE-3 head and its decoding settings."""
@@ -78,6 +88,7 @@ class Eagle3Config(Choices):
         **{k: at_least(0) for k in ("feature_noise", "feature_loss", "ttt_align_topk")},
         "dropout": between(0, 1, hi_open=True),
         "teacher_temperature": above(0),
+        "lk_eta": above(0),
         **DRAFT_SHAPE_BOUNDS,
     }
 
@@ -118,6 +129,13 @@ class Eagle3Config(Choices):
     """Training only: the target's distribution the loss matches is ``softmax(logits / teacher_temperature)``; below
     1 it is sharpened towards the target's top token (what greedy verification accepts), 1 = the distribution
     itself (what lossless sampling accepts)."""
+    loss: DraftLoss = DraftLoss.kl
+    """Training only: kl (the soft cross-entropy against the target's distribution, EAGLE's) | tv (one minus the
+    overlap sum_v min(p, q): what lossless sampling accepts) | lk (-log of the overlap) | lk_hybrid (KL while the
+    overlap is low, TV as it grows: arXiv 2602.23881). For tv / lk / lk_hybrid both distributions are read at
+    ``teacher_temperature`` (set it to the serving temperature to train for acceptance there)."""
+    lk_eta: float = 3.0
+    """loss=lk_hybrid: the KL weight is exp(-lk_eta * overlap)."""
     feature_loss: float = 0.0
     """Training only: weight of an EAGLE-1-style SmoothL1 regression, at every TTT step's counted entries, of the
     vector the draft LM head reads onto the one the target's LM head reads at the same position (its last hidden
@@ -492,8 +510,11 @@ def loss_fn(
                 top = target_ids[d_logits.topk(k, dim=-1).indices]
                 alive = torch.zeros_like(keep)
                 alive[keep] = (top == fed[keep][:, None]).any(-1)
-        # cross-entropy against the teacher's rows, fused (the vocabulary-wide passes were most of a CPU step)
-        ce_sum, d_top = soft_cross_entropy(d_logits, t_rows[tp_ix])
+        if cfg.loss == "kl":  # cross-entropy against the teacher's rows, fused (the vocabulary-wide passes were most
+            # of a CPU step)
+            ce_sum, d_top = soft_cross_entropy(d_logits, t_rows[tp_ix])
+        else:  # the acceptance itself (TV), its log (LK) or a blend
+            ce_sum, d_top = acceptance_loss(d_logits, t_rows[tp_ix], str(cfg.loss), tt, cfg.lk_eta)
         step_loss = ce_sum / n
         total = total + cfg.ttt_decay**j * step_loss
         if cfg.feature_loss > 0:

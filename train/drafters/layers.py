@@ -256,3 +256,38 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple[torc
         raise ValueError(f"soft_cross_entropy wants two [N, V] tensors, got {shapes}")
     loss, top = _SoftCrossEntropy.apply(logits, target.detach())
     return loss, top
+
+
+ACCEPTANCE_LOSSES = ("tv", "lk", "lk_hybrid")
+"""The acceptance-targeting losses :func:`acceptance_loss` computes (besides the default KL / soft cross-entropy)."""
+
+
+def acceptance_loss(
+    logits: torch.Tensor, target: torch.Tensor, kind: str, temperature: float = 1.0, eta: float = 3.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum over rows of the loss in float32, argmax of each row)`` for ``[N, V]`` draft logits and a ``[N, V]``
+    target distribution ``p`` (no gradient), with ``q = softmax(logits / temperature)``.
+
+    Lossless speculative sampling accepts a draft position with probability ``alpha = sum_v min(p_v, q_v)``, one
+    minus the total-variation distance (Leviathan et al. 2023), which KL reaches only through a bound (Pinsker):
+
+    * ``tv``: ``1 - alpha`` (the acceptance itself; its gradient vanishes where the distributions barely overlap);
+    * ``lk``: ``-log(alpha)`` (gradient ``grad(TV) / alpha``: usable from a cold start; cross-entropy for a one-hot p);
+    * ``lk_hybrid``: ``w KL(p || q) + (1 - w) (1 - alpha)`` with ``w = exp(-eta alpha)``, alpha not differentiated in
+      ``w``: KL's strong gradient while the overlap is low, TV's acceptance target as it grows (Samarin et al., "LK
+      Losses: Direct Acceptance Rate Optimization for Speculative Decoding", arXiv 2602.23881; eta 3 is their best).
+    """
+    if kind not in ACCEPTANCE_LOSSES:
+        raise ValueError(f"unknown acceptance loss {kind!r} (one of {', '.join(ACCEPTANCE_LOSSES)})")
+    logq = torch.log_softmax(logits.float() / temperature, dim=-1)
+    p = target.detach().float()
+    overlap = torch.minimum(logq.exp(), p).sum(-1)
+    if kind == "tv":
+        per = 1.0 - overlap
+    elif kind == "lk":
+        per = -torch.log(overlap.clamp_min(1e-6))
+    else:
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
+        w = torch.exp(-eta * overlap.detach())
+        per = w * kl + (1.0 - w) * (1.0 - overlap)
+    return per.sum(), logits.detach().argmax(-1)
