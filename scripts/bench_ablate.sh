@@ -12,7 +12,8 @@
 # BASE_NAME (default base) names the baseline variant, so a new series of ablations does not overwrite an older base.
 # FEATURES_DIR (default: computed into <runs>/<experiment>_<family>_ablate/features) reuses a feature store, e.g. one made
 # with more target layers (stage=features drafter.layer_ids=[...]) so that variants may fuse different layers.
-# BASE_OVERRIDES (space-separated) are applied to every variant, base included. Prints a markdown table (tau with its 95% bootstrap interval over prompts, chain K=5 and the family's
+# BASE_OVERRIDES (space-separated) are applied to every variant, base included; EVAL_OVERRIDES to every eval, e.g.
+# EVAL_OVERRIDES="eval.temperatures=[0,1.0] eval.samples=2" judges each variant at T=0 and T=1 (rows method@T1). Prints a markdown table (tau with its 95% bootstrap interval over prompts, chain K=5 and the family's
 # tree, per source and overall; the paired difference to base over the same prompts; training seconds) and writes it to <runs>/<experiment>_<family>_ablate/table.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,28 +43,41 @@ for spec in "$BASE_NAME:" "$@"; do
     continue
   fi
   python3 -m train stage=train "${common[@]}" "run_name=$run" "train.features_dir=$FEATS" overwrite=true "${ovr[@]}"
-  python3 -m train stage=eval "${common[@]}" "run_name=$run" eval.mode=replay "eval.proposers=[drafter]" overwrite=true
+  read -r -a eval_ovr <<<"${EVAL_OVERRIDES:-}"
+  python3 -m train stage=eval "${common[@]}" "run_name=$run" eval.mode=replay "eval.proposers=[drafter]" overwrite=true \
+    "${eval_ovr[@]}"
   runs+=("$R/$run")
 done
 python3 - "$BASE/table.md" "${runs[@]}" <<'PY'
 import json, sys
 from pathlib import Path
-from eval.replay import describe_paired, paired_tau_diff
+from eval.stats import describe_paired, paired_tau_diff
 out, runs = Path(sys.argv[1]), sys.argv[2:]
+
+
+def views(metrics):
+    """(label, {source: record}) per method, and per method and temperature of eval.temperatures (method@T1)."""
+    for method in sorted(k for k in metrics if k != "plain"):
+        yield method, metrics[method]
+        temps = sorted({t for rec in metrics[method].values() for t in rec.get("by_temperature", {})}, key=float)
+        for t in temps:
+            if float(t) > 0:
+                yield f"{method}@T{t}", {s: rec["by_temperature"][t] for s, rec in metrics[method].items()}
+
+
 lines = ["| variant | method | tau all [95% CI] | sharegpt | humaneval | paired vs base (all) | train s | trainable params |",
          "|---|---|---|---|---|---|---|---|"]
-base = json.loads((Path(runs[0]) / "eval" / "metrics.json").read_text())["metrics"]
+base = dict(views(json.loads((Path(runs[0]) / "eval" / "metrics.json").read_text())["metrics"]))
 for r in runs:
-    m = json.loads((Path(r) / "eval" / "metrics.json").read_text())["metrics"]
     t = json.loads((Path(r) / "train" / "manifest.json").read_text())["result"]
-    for method in sorted(k for k in m if k != "plain"):
+    for method, per in views(json.loads((Path(r) / "eval" / "metrics.json").read_text())["metrics"]):
         def cell(s):
-            if s not in m[method]:
+            if s not in per:
                 return "-"
-            x = m[method][s]
+            x = per[s]
             return f"{x['tau']:.3f} [{x['tau_ci'][0]:.2f}, {x['tau_ci'][1]:.2f}]"
         paired = "baseline" if r == runs[0] else describe_paired(
-            paired_tau_diff(base.get(method, {}).get("all", {}).get("per_prompt") or {}, m[method]["all"].get("per_prompt") or {}))
+            paired_tau_diff(base.get(method, {}).get("all", {}).get("per_prompt") or {}, per["all"].get("per_prompt") or {}))
         lines.append(f"| {Path(r).name.split('_abl_')[-1]} | {method} | {cell('all')} | {cell('sharegpt')} | "
                      f"{cell('humaneval')} | {paired} | {t['seconds']:.0f} | {t['trainable_parameters']:,} |")
 text = "\n".join(lines) + "\n"
