@@ -65,20 +65,14 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from data.render import prompt_ids
     from data.sources import Conversation, SkipCounter
     from data.split import select
     from data.synth import ChunkStats, synth_chunk, synth_stream
     from data.target import load_target
-    from train.config import register_configs
+    from train.config import compose_config
 
-    register_configs()
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=args.overrides or ["experiment=quickstart"]))
+    cfg = compose_config(args.overrides or ["experiment=quickstart"])
     torch.set_num_threads(cfg.runtime.num_threads or torch.get_num_threads())
     target = load_target(cfg.target)
     tok = target.tokenizer

@@ -48,21 +48,15 @@ def main() -> None:
         args.overrides.insert(0, f"runs_root={args.runs_root}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from data.target import load_target
     from eval.decoder import SpeculativeDecoder
     from eval.metrics import DecodeStats
     from eval.run import build_methods, replay_methods, select_prompts
     from eval.stats import bootstrap_tau_ci
-    from train.config import register_configs
+    from train.config import compose_config
     from train.drafters.registry import load_drafter
 
-    register_configs()
-    conf = Path(__file__).resolve().parent.parent / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=args.overrides))
+    cfg = compose_config(args.overrides)
     e = cfg.eval
     if not e.temperature > 0:
         raise SystemExit("give eval.temperature > 0 (this compares sampled replay with the sampling decoder)")

@@ -361,6 +361,19 @@ def register_configs() -> None:
             cs.store(group="drafter", name=name, node=drafter_config_class(name))
 
 
+def compose_config(overrides: list[str]) -> Config:
+    """The project config (:class:`Config`) composed from Hydra overrides as the CLI composes it, outside a Hydra
+    run: for scripts that drive the stages' functions (``scripts/bench_*.py``)."""
+    import importlib.resources
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(importlib.resources.files("conf")), version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=overrides))  # type: ignore[return-value]
+
+
 def _field_type(cls: type, name: str) -> Any:
     return get_type_hints(cls)[name]
 
