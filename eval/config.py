@@ -90,7 +90,8 @@ class EvalConfig(Choices):
     """Keep each judged prompt's target trace (the hidden states replay feeds the drafters, fp32) on disk beside
     the continuations (``<continuations_dir>/traces``): a second checkpoint or family on the same prompts then
     costs only its drafting. About 9 KB per token for the embedded target's EAGLE-3 layers (200 prompts x 450
-    tokens: ~0.8 GB); false = recompute every time."""
+    tokens: ~0.8 GB; sampled replay keeps one per sampled path: eval.samples x each temperature > 0 times that);
+    false = recompute every time."""
     replay_batch_size: int = 16
     """Batch size for generating the continuations."""
     replay_lanes: int = 32

@@ -304,10 +304,10 @@ class FeatureHeadReplayer:
         if self._ids is None:
             return probs.gather(-1, ys[:, None])[:, 0]
         if self._draft_index is None:
-            n = max(int(self._ids.max()) + 1, int(ys.max()) + 1)
-            self._draft_index = torch.full((n,), -1, dtype=torch.long, device=self._ids.device)
+            self._draft_index = torch.full((int(self._ids.max()) + 1,), -1, dtype=torch.long, device=self._ids.device)
             self._draft_index[self._ids] = torch.arange(self._ids.numel(), device=self._ids.device)
-        idx = self._draft_index[ys.clamp_max(self._draft_index.numel() - 1)]
+        n = self._draft_index.numel()
+        idx = torch.where(ys < n, self._draft_index[ys.clamp_max(n - 1)], -1)  # ids past the table: not drafted
         return probs.gather(-1, idx.clamp_min(0)[:, None])[:, 0] * (idx >= 0)
 
     def _prepare(
