@@ -22,7 +22,7 @@ import torch
 
 from data.atomic import atomic_dir
 from data.config import ConfigError, TargetConfig, TargetError, resolve_path
-from data.generate import model_forward, new_cache, sliding_window, text_config
+from data.modeling import model_forward, new_cache, sliding_window, text_config
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from data.generate import cache_keep_positions, cache_seq_len, crop_cache, kv_layers, model_forward, new_cache
+from data.modeling import cache_keep_positions, cache_seq_len, crop_cache, kv_layers, model_forward, new_cache
 from eval.metrics import DecodeStats
 from eval.proposers.base import Proposer, TargetOutput
 from eval.sampling import logits_to_probs, sample_from_probs, verify_tree

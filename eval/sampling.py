@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from data.generate import logits_to_probs
+from data.modeling import logits_to_probs
 
 if TYPE_CHECKING:
     from eval.tree import DraftTree

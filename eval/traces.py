@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from data.atomic import atomic_path, atomic_write_text
-from data.generate import continuous_generate, logits_to_probs, model_forward
+from data.generate import continuous_generate
+from data.modeling import logits_to_probs, model_forward
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ def trace_target(
 
 def path_probs(logits: torch.Tensor, tokens: Sequence[int], sampling: Sampling, chunk: int = 64) -> torch.Tensor:
     """``[N]`` float32 on the CPU: ``p(tokens[i])`` under row ``i`` of ``logits`` ``[N, V]`` at the sampling's
-    temperature and top-p (:func:`data.generate.logits_to_probs`, the decoder's transform), ``chunk`` rows at a time."""
+    temperature and top-p (:func:`data.modeling.logits_to_probs`, the decoder's transform), ``chunk`` rows at a time."""
     ys = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=logits.device)
     out = []
     for s in range(0, len(ys), chunk):

@@ -46,7 +46,8 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from data.config import TargetConfig
-    from data.generate import model_forward, slot_cache
+    from data.generate import slot_cache
+    from data.modeling import model_forward
     from data.prepack import prepacked_linears
     from data.target import load_target
 

@@ -80,7 +80,7 @@ def dispatch_count(model: Any) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import data.generate as g
+    import data.modeling as g
 
     device = next(model.parameters()).device
     cache = g.new_cache(model)

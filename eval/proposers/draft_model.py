@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from data.generate import crop_cache, model_forward, new_cache
+from data.modeling import crop_cache, model_forward, new_cache
 from eval.proposers.base import Proposer, TargetOutput
 from eval.tree import (
     TREE_ATTN_IMPLEMENTATIONS,

@@ -202,7 +202,7 @@ def test_family_on_the_architecture(tiny_root: Path, tmp_path: Path, arch: str, 
 def test_tree_verification_is_exact_across_sliding_windows(tiny_root: Path) -> None:
     """One forward of a tree on the cache (the decoder's verification) gives every node the logits that a plain
     forward of its own path gives, for targets whose sliding windows the context crosses."""
-    from data.generate import model_forward, new_cache
+    from data.modeling import model_forward, new_cache
     from eval.decoder import build_verification_mask, tree_position_ids
 
     parents = [-1, -1, 0, 0, 1, 2, 4, 5, 6]  # depth up to 5
@@ -233,11 +233,11 @@ def test_tree_verification_is_exact_across_sliding_windows(tiny_root: Path) -> N
 def test_check_refuses_what_cannot_work(tiny_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """load_target refuses, naming the architecture, a model the drafters cannot work with: the check is real (it
     fails when a sliding window is not applied to the tree masks, or when the logit soft-capping is skipped)."""
-    import data.generate
+    import data.modeling
     from data.target import TargetLMHead, load_target
 
     with monkeypatch.context() as m:  # tree masks without the window: other logits than a plain forward
-        m.setattr(data.generate, "layer_masks", lambda model, mask, pos, past: mask)
+        m.setattr(data.modeling, "layer_masks", lambda model, mask, pos, past: mask)
         with pytest.raises(TargetError, match="GptOssForCausalLM gives other logits on a cache"):
             tiny(tiny_root, "gpt_oss")
     with monkeypatch.context() as m:  # Gemma 2's logits without their soft-capping

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
-from data.generate import text_config
+from data.modeling import text_config
 from eval.shared_past import SharedPast, shared_attention
 
 KV = tuple[torch.Tensor, torch.Tensor]
