@@ -14,6 +14,7 @@ from typing import Any
 
 from data.atomic import atomic_write_json
 from data.config import ConfigError, changed_keys, is_safe_change, shown_value
+from data.layout import MANIFEST
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def check_same_config(run_dir: Path, stage: str, cfg: Any) -> None:
     """Refuse (``ConfigError``) to replace ``run_dir``'s output when it was made with another config, unless
     ``cfg.overwrite``; the message names the keys that differ."""
 
-    path = run_dir / "manifest.json"
+    path = run_dir / MANIFEST
     if not path.is_file():
         return
     try:

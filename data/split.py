@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.config import ConfigError, DataConfig
+from data.layout import HELDOUT
 from data.sources import Conversation, SkipCounter, check_sources, read_source
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def check_heldout_file(synth_dir: str | Path) -> int:
 
     Raises :class:`ConfigError` naming the file (and line) when it is missing, corrupt or empty.
     """
-    path = Path(synth_dir) / "heldout.jsonl"
+    path = Path(synth_dir) / HELDOUT
     if not path.is_file():
         raise ConfigError(f"{path} not found: run stage=synth for this run_name first (it writes the held-out split)")
     n = 0

@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from data.atomic import atomic_write_json, atomic_write_text
 from data.config import (
     ConfigError,
     DataConfig,
@@ -39,14 +38,14 @@ from data.config import (
     SynthConfig,
     SynthEngine,
     bound_errors,
-    flat_config,
-    shown_value,
 )
 from data.generate import continuous_generate
-from data.manifest import read_manifest, write_manifest
+from data.layout import HELDOUT, MANIFEST, chunk_path, chunk_stats_path
+from data.manifest import write_manifest
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation, SkipCounter
-from data.split import check_data, check_heldout_file, heldout_score, select
+from data.split import check_data, heldout_score, select
+from data.synth_store import check_or_write_plan, plan_hash, plan_inputs, stored_inputs, write_rows
 from data.target import Target, load_target, require_chat_template, resolve_target_path
 from data.tracking import log_stage
 from data.vllm_engine import VLLMEngine, find_engine_python
@@ -474,96 +473,6 @@ def synth_stream(
     )
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("source", pa.string()),
-            ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-            ("input_ids", pa.list_(pa.int32())),
-            ("loss_mask", pa.list_(pa.int8())),
-            ("gen_token_ids", pa.list_(pa.list_(pa.int32()))),
-            ("num_target_tokens", pa.int64()),
-        ]
-    )
-    table = pa.Table.from_pylist(rows, schema=schema)
-    atomic_write_with(path, lambda tmp: pq.write_table(table, tmp))
-
-
-def plan_hash(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> str:
-    """Everything that determines the dataset's content (not how it is split across shards)."""
-    inputs = plan_inputs(cfg, fingerprint, ids)
-    blob = json.dumps(inputs, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def plan_inputs(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) -> dict[str, Any]:
-    """What :func:`plan_hash` hashes; ``plan.json`` keeps it (the ids as a digest) to name what changed."""
-    synth = asdict(cfg.synth)
-    for k in ("num_shards", "shard_index", "batch_size"):
-        synth.pop(k)
-    synth.pop("vllm_python")  # where vLLM lives, not what it makes
-    synth.pop("prepack")  # a kernel choice: the same sums in another order, as batch_size (BENCHMARKS)
-    synth.pop("share_prefix")  # likewise: the same keys and values, computed once per group instead of per row
-    if cfg.synth.temperature == 0:
-        synth.pop("engine")  # greedy rows are the same with every engine (fp32, eager: tested) ...
-        if synth["vllm_dtype"] == "float32" and synth["vllm_eager"]:
-            synth.pop("vllm_dtype")  # ... unless vLLM runs in lower precision or compiled (near-ties may flip);
-            synth.pop("vllm_eager")  # the defaults hash as before these settings existed
-    data = asdict(cfg.data)
-    for src in data["sources"].values():
-        if src.get("regenerate") is None:
-            src.pop("regenerate", None)  # unset: hashes as before the setting existed
-    return {"data": data, "synth": synth, "target": fingerprint, "ids": ids, "seed": cfg.seed}
-
-
-def _stored_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
-    ids = json.dumps(inputs["ids"]).encode()
-    return {**inputs, "ids": f"{len(inputs['ids'])} conversations, sha256 {hashlib.sha256(ids).hexdigest()[:16]}"}
-
-
-def _plan_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """The keys whose values differ between two stored plan inputs, as ``key: old -> new``."""
-    a, b = flat_config(old.get("inputs") or {}), flat_config(new["inputs"])
-    names = {"target": "target (fingerprint)", "ids": "the selected conversations"}
-    diff = [
-        f"{names.get(k, k)}: {shown_value(a.get(k, '<unset>'))} -> {shown_value(b.get(k, '<unset>'))}"
-        for k in sorted(set(a) | set(b))
-        if a.get(k, "<unset>") != b.get(k, "<unset>")
-    ]
-    return "; ".join(diff[:8]) + ("; ..." if len(diff) > 8 else "")
-
-
-def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
-    path = out / "plan.json"
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        if old.get("hash") == plan["hash"]:
-            return
-        if not overwrite:
-            changes = _plan_changes(old, plan) if old.get("inputs") else f"plan {old.get('hash')} vs {plan['hash']}"
-            raise ConfigError(
-                f"{out} holds synth output made with a different config ({changes}). Use another run_name (or "
-                f"synth_dir), or overwrite=true to replace it."
-            )
-        logger.warning("overwrite=true: removing synth output of another config in %s", out)
-        shutil.rmtree(out / "data", ignore_errors=True)
-        shutil.rmtree(out / "stats", ignore_errors=True)
-        (out / "manifest.json").unlink(missing_ok=True)
-    atomic_write_json(path, plan)
-
-
-def chunk_path(out: Path, idx: int) -> Path:
-    return out / "data" / f"chunk-{idx:05d}.parquet"
-
-
-def stats_path(out: Path, idx: int) -> Path:
-    return out / "stats" / f"chunk-{idx:05d}.json"
-
-
 def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     """Run (this shard of) stage synth into ``out``; merge when every chunk is done.
 
@@ -596,7 +505,7 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
     chunks = [sel.train[i : i + cfg.synth.chunk_size] for i in range(0, len(sel.train), cfg.synth.chunk_size)]
     plan = {
         "hash": plan_hash(cfg, target.fingerprint, ids),
-        "inputs": _stored_inputs(plan_inputs(cfg, target.fingerprint, ids)),
+        "inputs": stored_inputs(plan_inputs(cfg, target.fingerprint, ids)),
         "num_chunks": len(chunks),
         "num_conversations": len(sel.train),
         "target_fingerprint": target.fingerprint,
@@ -604,9 +513,9 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
         "selection_skips": skips.to_dict(),
     }
     out.mkdir(parents=True, exist_ok=True)
-    _check_or_write_plan(out, plan, cfg.overwrite)
+    check_or_write_plan(out, plan, cfg.overwrite)
     atomic_write_text(
-        out / "heldout.jsonl",
+        out / HELDOUT,
         "".join(json.dumps({"id": c.id, "source": c.source, "messages": c.messages}) + "\n" for c in sel.heldout),
     )
     shards = [cfg.synth.shard_index] if cfg.synth.shard_index is not None else list(range(cfg.synth.num_shards))
@@ -669,7 +578,7 @@ def run_synth(cfg: RunConfig, out: Path) -> dict[str, Any] | None:
 
 
 def _write_chunk(out: Path, index: int, rows: list[dict[str, Any]], stats: ChunkStats) -> None:
-    atomic_write_json(stats_path(out, index), asdict(stats))  # before the chunk: a chunk implies its stats
+    atomic_write_json(chunk_stats_path(out, index), asdict(stats))  # before the chunk: a chunk implies its stats
     write_rows(chunk_path(out, index), rows)
 
 
@@ -746,7 +655,7 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
     total = ChunkStats()
     engines: set[str] = set()
     for i in range(plan["num_chunks"]):
-        st = ChunkStats(**json.loads(stats_path(out, i).read_text(encoding="utf-8")))
+        st = ChunkStats(**json.loads(chunk_stats_path(out, i).read_text(encoding="utf-8")))
         total.add(st)
         engines.add(st.engine or "unrecorded")
     import pyarrow.parquet as pq
@@ -756,7 +665,7 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
     if total.skipped:
         skipped["during_synth"] = total.skipped
     manifest = write_manifest(
-        out / "manifest.json",
+        out / MANIFEST,
         "synth",
         cfg,
         target={"name": cfg.target.name, "fingerprint": plan["target_fingerprint"]},
@@ -765,7 +674,7 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
             "conversations": plan["num_conversations"],
             "rows": rows,
             "chunks": plan["num_chunks"],
-            "heldout": len((out / "heldout.jsonl").read_text(encoding="utf-8").splitlines()),
+            "heldout": len((out / HELDOUT).read_text(encoding="utf-8").splitlines()),
             "turns_generated": total.turns,
             "prompt_tokens": total.prompt_tokens,
             "generated_tokens": total.generated_tokens,
@@ -786,7 +695,7 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
             "engine": ",".join(sorted(engines)),
             "engine_start_seconds": round(total.engine_start_seconds, 2),
         },
-        files={"data": "data/chunk-*.parquet", "heldout": "heldout.jsonl"},
+        files={"data": "data/chunk-*.parquet", "heldout": HELDOUT},
     )
 
     log_stage(
@@ -794,7 +703,7 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
         out,
         "synth",
         {"counts": manifest["counts"], "timings": manifest["timings"], "skipped": manifest["skipped"]},
-        {"manifest": "manifest.json", **manifest["files"]},
+        {"manifest": MANIFEST, **manifest["files"]},
     )
     logger.info(
         "synth: %d rows, %d tokens generated at %.1f tok/s (engine %s); skipped %s",
@@ -805,69 +714,3 @@ def merge(cfg: RunConfig, out: Path) -> dict[str, Any]:
         skipped,
     )
     return manifest
-
-
-def synth_chunks(synth_dir: str | os.PathLike[str]) -> list[Path]:
-    """The data chunks of a finished synth output, checked against its manifest before anything reads them.
-
-    A chunk that is missing, unreadable or holds another number of rows than the manifest counts (a copy cut
-    short, a file replaced) is a :class:`ConfigError` naming it: training on the rest would silently learn from
-    less data than the run reports.
-    """
-    import pyarrow.parquet as pq
-
-    out = Path(synth_dir)
-    manifest = read_manifest(out / "manifest.json")
-    counts = manifest.get("counts") or {}
-    n_chunks, n_rows = counts.get("chunks"), counts.get("rows")
-    if not isinstance(n_chunks, int) or not isinstance(n_rows, int):
-        raise ConfigError(f"{out / 'manifest.json'} has no chunk and row counts: rerun stage=synth (overwrite=true)")
-    files = [chunk_path(out, i) for i in range(n_chunks)]
-    extra = sorted(set((out / "data").glob("chunk-*.parquet")) - set(files))
-    if extra:
-        raise ConfigError(f"{extra[0]} is not part of the synth output in {out} ({n_chunks} chunks): remove it")
-    rows = 0
-    for f in files:
-        if not f.is_file():
-            raise ConfigError(
-                f"{f} is missing from the synth output in {out}: rerun stage=synth with the same config (it writes "
-                f"the missing chunks again)"
-            )
-        try:
-            rows += pq.ParquetFile(f).metadata.num_rows
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise ConfigError(
-                f"{f} is not a readable Parquet file ({type(exc).__name__}): remove it and rerun stage=synth with "
-                f"the same config (it writes the missing chunk again)"
-            ) from None
-    if rows != n_rows:
-        raise ConfigError(
-            f"the synth output in {out} holds {rows} rows where its manifest counts {n_rows}: a chunk was replaced "
-            f"or cut short; rerun stage=synth (overwrite=true)"
-        )
-    return files
-
-
-def check_synth_output(synth_dir: str | os.PathLike[str]) -> list[Path]:
-    """A finished synth output as its manifest describes it: every chunk (:func:`synth_chunks`) and the held-out
-    split's rows, each readable, as many as counted -- checked before a stage that reads it loads a model; returns
-    the chunks. A cut-short ``heldout.jsonl`` would otherwise pick ``best/`` on fewer prompts than reported."""
-    out = Path(synth_dir)
-    files = synth_chunks(out)
-    heldout = (read_manifest(out / "manifest.json").get("counts") or {}).get("heldout")
-    if isinstance(heldout, int) and heldout > 0:
-        n = check_heldout_file(out)
-        if n != heldout:
-            raise ConfigError(
-                f"{out / 'heldout.jsonl'} holds {n} held-out rows where the synth manifest counts {heldout}: rerun "
-                f"stage=synth with the same config (it rewrites heldout.jsonl)"
-            )
-    return files
-
-
-def load_synth_dataset(synth_dir: str | os.PathLike[str]) -> Any:
-    """Load the synth output as a ``datasets.Dataset`` (its chunks checked first: :func:`synth_chunks`)."""
-    import datasets
-
-    files = [str(f) for f in synth_chunks(synth_dir)]
-    return datasets.load_dataset("parquet", data_files=files, split="train")

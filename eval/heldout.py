@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from data.config import ConfigError, SourceConfig
+from data.layout import HELDOUT
 from data.render import prompt_ids
 from data.sources import Skip, _records_from_file, normalise_messages, source_files
 from eval.decoder import SpeculativeDecoder
@@ -30,7 +31,7 @@ class Prompt:
 
 def load_heldout(synth_dir: str | Path, tokenizer: Any, per_source: int, max_prompt_tokens: int = 1024) -> list[Prompt]:
     """The first user turn of up to ``per_source`` held-out conversations of each source."""
-    path = Path(synth_dir) / "heldout.jsonl"
+    path = Path(synth_dir) / HELDOUT
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: run stage=synth for this run_name first (it writes the held-out split)"

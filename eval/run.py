@@ -18,15 +18,16 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
+from data.atomic import atomic_write_json, atomic_write_text
 from data.config import ConfigError, check_bounds
+from data.layout import BEST, MANIFEST, METRICS, PLOT, REPLAY, TABLE
 from data.manifest import write_manifest
 from data.render import prompt_ids
 from data.sources import SkipCounter
@@ -38,10 +39,18 @@ from eval.decoder import SpeculativeDecoder, plain_decode
 from eval.expected import ExpectedAcceptance, expected_acceptance
 from eval.heldout import Prompt, load_heldout, traffic_prompts
 from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
-from eval.metrics import DecodeStats, expected_tokens_per_step
+from eval.metrics import DecodeStats
 from eval.proposers import DraftModelProposer, PromptLookupProposer
 from eval.replay import replay_many
-from eval.stats import bootstrap_tau_ci, describe_interval
+from eval.report import (
+    Result,
+    acceptance,
+    combine,
+    finish_result,
+    markdown_table,
+    plot,
+    temperature_table,
+)
 from eval.traces import ContinuationCache, Sampling, TraceCache
 
 logger = logging.getLogger(__name__)
@@ -53,21 +62,6 @@ GenerateFn = Callable[[Prompt, torch.Tensor], tuple[list[int], DecodeStats]]
 DrafterLoader = Callable[[str, Target], tuple[Any, torch.nn.Module, Any]]
 """``load(directory, target) -> (family spec, drafter module, drafter config)`` for a saved drafter: the train
 layer passes :func:`train.drafters.registry.load_drafter` down (eval never imports the drafter families)."""
-
-
-@dataclass
-class Result:
-    """One method's decoding of every prompt."""
-
-    name: str
-    stats: dict[str, DecodeStats] = field(default_factory=dict)
-    outputs: dict[str, list[int]] = field(default_factory=dict)
-    k: int | None = None
-    """Chain length (for the analytic model); None for trees and peers."""
-    per_prompt: dict[str, list[DecodeStats]] = field(default_factory=dict)
-    """Each prompt's own counters, by source (for the bootstrap interval)."""
-    prompt_ids: dict[str, list[str]] = field(default_factory=dict)
-    """The ids of ``per_prompt``'s prompts, same keys and order (for paired comparisons between runs)."""
 
 
 @dataclass
@@ -89,18 +83,6 @@ def run_method(name: str, prompts: list[Prompt], fn: GenerateFn, k: int | None =
         per.setdefault(p.source, []).append(stats)
         res.outputs[f"{p.source}:{p.id}"] = tokens
     return finish_result(res, per)
-
-
-def finish_result(res: Result, per: dict[str, list[DecodeStats]]) -> Result:
-    """Pool per-prompt counters by source and over all sources ("all")."""
-    res.per_prompt = {**per, "all": [x for v in per.values() for x in v]}
-    res.stats = {s: DecodeStats.merge_all(v) for s, v in res.per_prompt.items()}
-    keys = [k.split(":", 1) for k in res.outputs]  # "source:id", in the same prompt order as ``per``
-    ids = {src: [i for s, i in keys if s == src] for src in per}
-    if all(len(ids[src]) == len(v) for src, v in per.items()):
-        res.prompt_ids = {src: [f"{src}:{i}" for i in v] for src, v in ids.items()}
-        res.prompt_ids["all"] = [x for v in list(res.prompt_ids.values()) for x in v]
-    return res
 
 
 def _decode_budget(e: Any) -> tuple[int, int]:
@@ -210,7 +192,7 @@ def build_methods(cfg: EvalRunConfig, target: Target, load_drafter: DrafterLoade
                 raise ConfigError(
                     "eval.proposers has 'drafter' but no drafter loader was given (run it via python -m train)"
                 )
-            spec, module, dcfg = load_drafter(e.drafter_dir or f"{cfg.train_dir}/best", target)
+            spec, module, dcfg = load_drafter(e.drafter_dir or f"{cfg.train_dir}/{BEST}", target)
             for mode in modes:
                 d = copy.copy(dcfg)
                 d.decode, d.chain_k = mode, e.k
@@ -261,251 +243,6 @@ def build_methods(cfg: EvalRunConfig, target: Target, load_drafter: DrafterLoade
     return methods
 
 
-def summarise(res: Result, base: Result) -> dict[str, Any]:
-    """Per-source figures of one method against the plain-decoding baseline of the same run.
-
-    Cost model (Leviathan et al., 2023, with the verification cost measured rather than assumed equal to
-    one decoding forward): a step costs one verification forward ``T_verify`` plus the drafting ``T_draft``;
-    plain decoding costs ``T_plain`` per token. ``c = T_draft per draft token / T_plain`` and
-    ``v = T_verify / T_plain``; predicted speedup = E[tokens per step] / (v + k c) for chains (E from the
-    measured alpha_i) and tau / (v + T_draft / T_plain) for trees. HF peers do not split draft time (c = NaN).
-    """
-    out: dict[str, Any] = {}
-    for src, s in res.stats.items():
-        b = base.stats[src]
-        tps = s.new_tokens / s.total_time_s if s.total_time_s > 0 else math.nan
-        base_tps = b.new_tokens / b.total_time_s if b.total_time_s > 0 else math.nan
-        steps = max(1, s.verify_steps)
-        t_plain = b.target_time_s / max(1, b.target_forwards)
-        t_verify = s.target_time_s / max(1, s.target_forwards)
-        t_draft = s.draft_time_s / steps  # drafting for one step
-        hf_peer = res.name.startswith("hf_")
-        v = t_verify / t_plain if t_plain > 0 else math.nan
-        c = math.nan if hf_peer else (t_draft / res.k if res.k else t_draft) / t_plain
-        alpha = s.alpha()
-        if hf_peer:
-            predicted, model_tau = math.nan, s.tau()
-        else:
-            model_tau, predicted = predict(alpha, s.tau(), res.k, v, c)
-        hist: dict[int, int] = {}
-        for a in s.accepted_lengths:
-            hist[a + 1] = hist.get(a + 1, 0) + 1
-        same = [k for k in res.outputs if k.startswith(f"{src}:") or src == "all"]
-        identical = sum(res.outputs[k] == base.outputs.get(k) for k in same) / max(1, len(same))
-        out[src] = {
-            "tau": s.tau(),
-            "tau_hist": dict(sorted(hist.items())),
-            "alpha": alpha,
-            "draft_tokens_per_step": s.draft_tokens_proposed / steps,
-            "target_forwards": s.target_forwards,
-            "new_tokens": s.new_tokens,
-            "tokens_per_s": tps,
-            "speedup": tps / base_tps if base_tps and not math.isnan(base_tps) else math.nan,
-            "draft_cost_ratio_c": c,
-            "verify_cost_ratio_v": v,
-            "model_tokens_per_step": model_tau,
-            "predicted_speedup": predicted,
-            "identical_to_plain": identical,
-        }
-    return out
-
-
-def predict(alpha: list[float], tau: float, k: int | None, v: float, c: float) -> tuple[float, float]:
-    """(expected tokens per step, predicted speedup) from the cost model of :func:`summarise`: a chain of ``k`` with
-    every alpha_1..k measured uses E[tokens] from alpha over ``v + k c``; otherwise (trees, variable drafts) the
-    measured tau over the measured cost of a step (``c`` is per draft token for chains, per step otherwise)."""
-    if k and len(alpha) >= k and not any(math.isnan(a) for a in alpha[:k]):
-        tokens = expected_tokens_per_step(alpha, k)
-        return tokens, tokens / (v + k * c)
-    return tau, tau / (v + (k * c if k else c))
-
-
-def recommend_k(alpha: list[float], v: float, c: float) -> tuple[int, float]:
-    """The chain length the built-in decoder would pick on this machine at batch 1: the K in 1..len(alpha) with the
-    highest predicted speedup ``E_K / (v + K c)`` (the measured cost ratios of this eval), or (0, 1.0) (plain
-    decoding) when none beats 1.0."""
-    if not alpha or any(math.isnan(x) for x in (v, c)) or any(math.isnan(a) for a in alpha):
-        return 0, math.nan
-    preds = {k: expected_tokens_per_step(alpha, k) / (v + k * c) for k in range(1, len(alpha) + 1)}
-    k = max(preds, key=lambda x: (preds[x], -x))
-    return (k, preds[k]) if preds[k] > 1.0 else (0, 1.0)
-
-
-_DECODE_ONLY = (
-    "target_forwards",
-    "new_tokens",
-    "tokens_per_s",
-    "speedup",
-    "draft_cost_ratio_c",
-    "verify_cost_ratio_v",
-    "model_tokens_per_step",
-    "predicted_speedup",
-    "identical_to_plain",
-)
-
-
-def acceptance(
-    stats: DecodeStats, per_prompt: list[DecodeStats], n_boot: int, seed: int, ids: list[str] | None = None
-) -> dict[str, Any]:
-    """tau with its 95% bootstrap interval over prompts, alpha_i, the tau histogram, draft tokens per step, and
-    each prompt's own counters (``per_prompt``: ids, tokens emitted, verification steps) for paired comparisons
-    between runs judged on the same prompts (``eval.stats.paired_tau_diff``)."""
-    hist: dict[int, int] = {}
-    for a in stats.accepted_lengths:
-        hist[a + 1] = hist.get(a + 1, 0) + 1
-    lo, hi = bootstrap_tau_ci(per_prompt, n_boot=n_boot, seed=seed)
-    return {
-        "tau": stats.tau(),
-        "tau_ci": [lo, hi],
-        "tau_hist": dict(sorted(hist.items())),
-        "alpha": stats.alpha(),
-        "draft_tokens_per_step": stats.draft_tokens_proposed / max(1, stats.verify_steps),
-        "prompts": len(per_prompt),
-        "new_tokens_judged": stats.new_tokens,
-        "per_prompt": {
-            "ids": list(ids) if ids is not None and len(ids) == len(per_prompt) else None,
-            "emitted": [sum(a + 1 for a in s.accepted_lengths) for s in per_prompt],
-            "steps": [len(s.accepted_lengths) for s in per_prompt],
-        },
-    }
-
-
-def combine(
-    name: str,
-    decoded: Result | None,
-    base: Result | None,
-    replayed: Result | None,
-    k: int | None,
-    e: Any,
-) -> dict[str, Any]:
-    """Per-source metrics of one method: acceptance (tau, interval, alpha, histogram) from the replayed sample
-    when there is one, else from the decoded one; speed, cost ratios and the lossless check from decoding.
-
-    ``tau_from`` says which sample gave tau; ``decode_tau`` is the decoded sample's own tau. With both, the
-    predicted speedup uses the replayed alpha_i / tau with the decoded cost ratios c and v.
-    """
-    out: dict[str, Any] = {}
-    dec = summarise(decoded, base) if decoded is not None and base is not None else {}
-    sources = list(replayed.stats) if replayed is not None else list(dec)
-    for src in sources:
-        d = dec.get(src)
-        if replayed is not None and src in replayed.stats:
-            m = acceptance(
-                replayed.stats[src], replayed.per_prompt[src], e.bootstrap, e.seed, replayed.prompt_ids.get(src)
-            )
-            m["tau_from"] = "replay"
-            m["replay_draft_seconds"] = replayed.stats[src].draft_time_s
-        elif decoded is not None:
-            m = acceptance(
-                decoded.stats[src], decoded.per_prompt[src], e.bootstrap, e.seed, decoded.prompt_ids.get(src)
-            )
-            m["tau_from"] = "decode"
-        else:
-            continue
-        if d is None:
-            m.update({key: math.nan for key in _DECODE_ONLY})
-            m["decode_tau"] = math.nan
-        else:
-            m.update({key: d[key] for key in _DECODE_ONLY})
-            m["decode_tau"] = d["tau"]
-            m["decode_prompts"] = len(decoded.per_prompt.get(src, [])) if decoded is not None else 0
-            if m["tau_from"] == "replay" and not name.startswith("hf_") and name != "plain":
-                m["model_tokens_per_step"], m["predicted_speedup"] = predict(
-                    m["alpha"], m["tau"], k, d["verify_cost_ratio_v"], d["draft_cost_ratio_c"]
-                )
-            if k and name != "plain" and not name.startswith("hf_"):
-                m["recommended_k"], m["recommended_predicted_speedup"] = recommend_k(
-                    m["alpha"], d["verify_cost_ratio_v"], d["draft_cost_ratio_c"]
-                )
-        out[src] = m
-    return out
-
-
-def _f(v: float, spec: str, suffix: str = "") -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
-
-
-def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> str:
-    lines = [
-        "| source | method | tau [95% CI] | prompts | alpha_1..3 | draft tok/step | decode tau | tok/s | speedup | c "
-        "| v | predicted | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for src in sources:
-        for name, per in metrics.items():
-            m = per.get(src)
-            if m is None:
-                continue
-            al = ", ".join(_f(a, ".2f") for a in m["alpha"][:3]) if m["alpha"] else "-"
-            lo, hi = m.get("tau_ci", [math.nan, math.nan])
-            tau = f"{m['tau']:.2f} {describe_interval(lo, hi)}"
-            n = f"{m.get('prompts', '-')} {m.get('tau_from', '')}".strip()
-            lines.append(
-                f"| {src} | {name} | {tau} | {n} | {al} | {m['draft_tokens_per_step']:.1f} | "
-                f"{_f(m.get('decode_tau', math.nan), '.2f')}"
-                f"{' (expected ' + _f(m['expected_tau'], '.2f') + ')' if 'expected_tau' in m else ''} | "
-                f"{_f(m['tokens_per_s'], '.1f')} | "
-                f"{_f(m['speedup'], '.2f', 'x')} | {_f(m['draft_cost_ratio_c'], '.3f')} | "
-                f"{_f(m['verify_cost_ratio_v'], '.2f')} | "
-                f"{_f(m['predicted_speedup'], '.2f', 'x')} | {_f(m['identical_to_plain'], '.0%')} |"
-            )
-    for name, per in metrics.items():
-        m = per.get("all") or {}
-        if m.get("recommended_k") is not None and not math.isnan(m.get("recommended_predicted_speedup", math.nan)):
-            k = m["recommended_k"]
-            lines.append(
-                f"\n{name}: on this machine at batch 1 the built-in decoder would draft K={k} "
-                f"(predicted {m['recommended_predicted_speedup']:.2f}x from alpha, c and v)"
-                if k
-                else f"\n{name}: on this machine at batch 1 no K is predicted to beat plain decoding"
-            )
-    return "\n".join(lines)
-
-
-def temperature_table(metrics: dict[str, dict[str, Any]], sources: list[str], temps: list[float]) -> str:
-    """tau [95% interval] per method and source at each replayed temperature (``eval.temperatures``)."""
-    cols = [f"{t:g}" for t in temps]
-    lines = [
-        "tau by temperature (replay; sampled paths at T > 0):\n",
-        "| source | method | " + " | ".join(f"T={c}" for c in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
-    ]
-    for src in sources:
-        for name, per in metrics.items():
-            bt = (per.get(src) or {}).get("by_temperature")
-            if not bt:
-                continue
-            cells = [f"{bt[c]['tau']:.2f} {describe_interval(*bt[c]['tau_ci'])}" if c in bt else "-" for c in cols]
-            lines.append(f"| {src} | {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, per in metrics.items():
-        m = per["all"]
-        if name == "plain" or not m["alpha"]:
-            continue
-        ax1.plot(range(1, len(m["alpha"]) + 1), m["alpha"], marker="o", label=name)
-        total = sum(m["tau_hist"].values())
-        xs = sorted(m["tau_hist"])
-        label = f"{name} (tau {m['tau']:.2f} {describe_interval(*m['tau_ci'])})"
-        ax2.plot(xs, [m["tau_hist"][x] / total for x in xs], marker=".", label=label)
-    ax1.set(xlabel="draft position i", ylabel="alpha_i", title="per-position acceptance", ylim=(0, 1.02))
-    ax2.set(xlabel="tokens per target forward", ylabel="fraction of steps", title="acceptance length")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-
-
 def select_prompts(cfg: EvalRunConfig, target: Target) -> list[Prompt]:
     """Held-out prompts: from the synth run's split, or straight from the configured data sources' split."""
     if cfg.eval.prompts == "synth":
@@ -542,8 +279,8 @@ def continuations_dir(cfg: EvalRunConfig, run_dir: Path) -> Path:
     if cfg.eval.continuations_dir:
         return Path(cfg.eval.continuations_dir)
     if cfg.eval.prompts == "synth":
-        return Path(cfg.synth_dir) / "replay"
-    return run_dir / "replay"
+        return Path(cfg.synth_dir) / REPLAY
+    return run_dir / REPLAY
 
 
 def load_continuations(
@@ -746,7 +483,7 @@ def run_eval(
         table += "\n\n" + temperature_table(metrics, sources, list(by_temp))
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
-        run_dir / "metrics.json",
+        run_dir / METRICS,
         {
             "settings": asdict(e),
             "num_prompts": len(prompts),
@@ -754,17 +491,17 @@ def run_eval(
             "metrics": metrics,
         },
     )
-    atomic_write_text(run_dir / "table.md", table + "\n")
+    atomic_write_text(run_dir / TABLE, table + "\n")
     if e.plot:
-        plot(metrics, run_dir / "acceptance.png")
+        plot(metrics, run_dir / PLOT)
     write_manifest(
-        run_dir / "manifest.json",
+        run_dir / MANIFEST,
         "eval",
         cfg,
         target={"name": cfg.target.name, "fingerprint": target.fingerprint},
         inputs={"synth_dir": cfg.synth_dir},
         timings={"seconds": round(time.perf_counter() - t0, 2), **timings},
-        files={"metrics": "metrics.json", "table": "table.md", "plot": "acceptance.png"},
+        files={"metrics": METRICS, "table": TABLE, "plot": PLOT},
     )
     tracker = Tracker(cfg.wandb, run_dir, f"{cfg.run_name}-eval", cfg.run_name, "eval", asdict(cfg))
     try:
@@ -808,8 +545,8 @@ def run_eval(
                 }
             )
             if e.plot:
-                tracker.log({"acceptance": wandb.Image(str(run_dir / "acceptance.png"))})
-        tracker.files(run_dir, {"metrics": "metrics.json", "table": "table.md", "plot": "acceptance.png"})
+                tracker.log({"acceptance": wandb.Image(str(run_dir / PLOT))})
+        tracker.files(run_dir, {"metrics": METRICS, "table": TABLE, "plot": PLOT})
     finally:
         tracker.finish()
     logger.info(

@@ -47,7 +47,7 @@ def paired_tau_diff(
     """tau of ``b`` minus tau of ``a`` over the prompts both judged, with a paired bootstrap interval.
 
     ``a`` and ``b`` are ``per_prompt`` records of ``metrics.json`` (``ids``, ``emitted``, ``steps``; see
-    ``eval.run.acceptance``): prompts are matched by id, and each replicate resamples the *same* prompts for both
+    ``eval.report.acceptance``): prompts are matched by id, and each replicate resamples the *same* prompts for both
     sides, so prompt-to-prompt variation (which dominates the separate intervals) cancels. Also counts the
     prompts where ``b``'s own tau is higher / lower. None when the records cannot be paired (no ids, or fewer
     than two shared prompts).

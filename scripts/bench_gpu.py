@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         )
         synth_report[engine] = json.loads((REPO / runs / name / "synth" / "manifest.json").read_text())["timings"]
     if len(engines) > 1:
-        from data.synth import load_synth_dataset
+        from data.synth_store import load_synth_dataset
 
         def outs(name: str) -> dict:
             ds = load_synth_dataset(REPO / runs / name / "synth")

@@ -42,7 +42,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_vs_peer import read_json, run  # noqa: E402  (one subprocess runner for the benchmark scripts)
 

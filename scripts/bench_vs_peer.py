@@ -63,7 +63,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 logger = logging.getLogger("bench_vs_peer")
 ENGINE_PYTHON = REPO / ".venv-engine" / "bin" / "python"

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _prompts(synth_dir: str, n: int) -> list[list[int]]:
-    from data.synth import load_synth_dataset
+    from data.synth_store import load_synth_dataset
 
     out = []
     for row in load_synth_dataset(synth_dir):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from data.layout import BEST, MANIFEST
 from train.omp import set_default_wait
 
 # Before torch loads OpenMP: threads spin briefly, then sleep (train/omp.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the
@@ -64,9 +65,9 @@ def _stage_merge(cfg: Config, run_dir: Path) -> Any:
 def _check_synth_output(cfg: Config) -> None:
     """A finished synth output with a missing, damaged or replaced chunk or held-out split is refused before the
     target loads."""
-    from data.synth import check_synth_output
+    from data.synth_store import check_synth_output
 
-    if (Path(cfg.synth_dir) / "manifest.json").is_file():
+    if (Path(cfg.synth_dir) / MANIFEST).is_file():
         check_synth_output(cfg.synth_dir)
 
 
@@ -119,8 +120,8 @@ def _stage_eval(cfg: Config, run_dir: Path) -> Any:
         sweep_unfinished(run_dir)  # what a killed eval left half-committed
         check_same_config(run_dir, "eval", cfg)  # never replace results made with another config silently
         if "drafter" in cfg.eval.proposers:  # a missing or corrupt drafter fails before the target loads
-            check_drafter_dir(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", "eval.drafter_dir")
-            check_drafter_fits(cfg.eval.drafter_dir or f"{cfg.train_dir}/best", cfg, "eval.drafter_dir")
+            check_drafter_dir(cfg.eval.drafter_dir or f"{cfg.train_dir}/{BEST}", "eval.drafter_dir")
+            check_drafter_fits(cfg.eval.drafter_dir or f"{cfg.train_dir}/{BEST}", cfg, "eval.drafter_dir")
         if cfg.eval.prompts == "synth":  # so does a missing, truncated or empty held-out split
             from data.split import check_heldout_file
 
@@ -140,8 +141,8 @@ def _stage_export(cfg: Config, run_dir: Path) -> Any:
 
     with run_lock(run_dir, "export"):
         if cfg.export.format is not None:  # without a format the stage lists the valid pairs
-            check_drafter_dir(cfg.export.drafter_dir or f"{cfg.train_dir}/best", "export.drafter_dir")
-            check_drafter_fits(cfg.export.drafter_dir or f"{cfg.train_dir}/best", cfg, "export.drafter_dir")
+            check_drafter_dir(cfg.export.drafter_dir or f"{cfg.train_dir}/{BEST}", "export.drafter_dir")
+            check_drafter_fits(cfg.export.drafter_dir or f"{cfg.train_dir}/{BEST}", cfg, "export.drafter_dir")
         return run_export(cfg, run_dir)
 
 
@@ -151,8 +152,8 @@ def _stage_deploy(cfg: Config, run_dir: Path) -> Any:
     check_deploy_config(cfg.deploy)  # a bad value fails before the target loads or an engine starts
     with run_lock(run_dir, "deploy"):
         sweep_unfinished(run_dir)
-        check_drafter_dir(cfg.deploy.drafter_dir or f"{cfg.train_dir}/best", "deploy.drafter_dir")
-        check_drafter_fits(cfg.deploy.drafter_dir or f"{cfg.train_dir}/best", cfg, "deploy.drafter_dir")
+        check_drafter_dir(cfg.deploy.drafter_dir or f"{cfg.train_dir}/{BEST}", "deploy.drafter_dir")
+        check_drafter_fits(cfg.deploy.drafter_dir or f"{cfg.train_dir}/{BEST}", cfg, "deploy.drafter_dir")
         return run_deploy(cfg, run_dir)
 
 

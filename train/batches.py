@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from data.synth import synth_chunks
+from data.layout import MANIFEST
+from data.synth_store import synth_chunks
 from train.drafters.registry import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def load_rows(synth_dir: str | Path, max_seq_len: int) -> list[Row]:
     import pyarrow.parquet as pq
 
     out = Path(synth_dir)
-    if not (out / "manifest.json").is_file():
+    if not (out / MANIFEST).is_file():
         raise FileNotFoundError(
             f"No finished synth output in {out}: run `python -m train stage=synth` (same run_name) first, "
             f"or point synth_dir at one."

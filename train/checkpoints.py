@@ -19,6 +19,7 @@ from typing import Any
 from safetensors import safe_open
 
 from data.config import ConfigError, changed_keys, flat_config, is_safe_change, shown_value
+from data.layout import TRAINER_STATE
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
 
     Raises :class:`UnsafeCheckpointError` (refuse outright) or :class:`CorruptCheckpointError` (try an older one).
     """
-    state_file = ckpt / "trainer_state.json"
+    state_file = ckpt / TRAINER_STATE
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -26,6 +26,7 @@ from typing import Any
 
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from data.config import ConfigError
+from data.layout import MANIFEST, METRICS
 from data.manifest import write_manifest
 from eval.stats import describe_paired, paired_tau_diff
 from train.config import Config
@@ -59,12 +60,12 @@ def _stage_dirs(path: Path) -> dict[str, Path]:
     """Map stage -> directory for a run directory, a stage directory, or a W&B run inside a stage directory."""
     if any((path / s).is_dir() for s in STAGE_DIRS):
         return {s: path / s for s in STAGE_DIRS if (path / s).is_dir()}
-    manifest = _read_json(path / "manifest.json")
+    manifest = _read_json(path / MANIFEST)
     if manifest and manifest.get("stage") in STAGE_DIRS:
         dirs = {manifest["stage"]: path}
         if path.parent.name not in ("", ".", "runs"):  # siblings of a stage directory belong to the same run
             for s in STAGE_DIRS:
-                if s not in dirs and (path.parent / s / "manifest.json").is_file():
+                if s not in dirs and (path.parent / s / MANIFEST).is_file():
                     dirs[s] = path.parent / s
         return dirs
     return {}
@@ -74,7 +75,7 @@ def _label(path: Path) -> str:
     p = path.resolve()
     if p.name.startswith("offline-run-") or p.suffix == ".wandb":
         return p.parent.parent.parent.name if p.name.startswith("offline-run-") else p.parent.name
-    if p.name in STAGE_DIRS or ((p / "manifest.json").is_file() and not any((p / s).is_dir() for s in STAGE_DIRS)):
+    if p.name in STAGE_DIRS or ((p / MANIFEST).is_file() and not any((p / s).is_dir() for s in STAGE_DIRS)):
         return f"{p.parent.name}/{p.name}"
     return p.name
 
@@ -94,7 +95,7 @@ def load_run(entry: str) -> dict[str, Any]:
     }
     run["sources"] = []
     dirs = _stage_dirs(stage_dir_of_wandb(path) or path)
-    metrics = _read_json(dirs["eval"] / "metrics.json") if "eval" in dirs else None
+    metrics = _read_json(dirs["eval"] / METRICS) if "eval" in dirs else None
     if metrics:
         # a method judged sampled is its own row ("eagle3_chain_k5@T1"): never paired with a greedy judgement
         temp = float((metrics.get("settings") or {}).get("temperature") or 0)
@@ -120,8 +121,8 @@ def load_run(entry: str) -> dict[str, Any]:
                             "per_prompt": bt.get("per_prompt"),
                         }
         run["eval_prompts"] = metrics.get("num_prompts")
-        run["sources"].append(str(dirs["eval"] / "metrics.json"))
-    train = _read_json(dirs["train"] / "manifest.json") if "train" in dirs else None
+        run["sources"].append(str(dirs["eval"] / METRICS))
+    train = _read_json(dirs["train"] / MANIFEST) if "train" in dirs else None
     if train:
         res, tcfg = train.get("result", {}), train.get("config", {}).get("train", {})
         world = res.get("world_size", 1)
@@ -143,20 +144,15 @@ def load_run(entry: str) -> dict[str, Any]:
             "best_tau": (res.get("best") or {}).get("tau"),
             "lr": tcfg.get("lr"),
         }
-        run["sources"].append(str(dirs["train"] / "manifest.json"))
+        run["sources"].append(str(dirs["train"] / MANIFEST))
     tconf = (train or {}).get("config", {})
     precomputed = tconf.get("train", {}).get("features", "precomputed") == "precomputed"
     if not precomputed:
         dirs.pop("features", None)  # trained online: features made for something else cost this drafter nothing
     for stage, named in (("synth", tconf.get("synth_dir")), ("features", tconf.get("train", {}).get("features_dir"))):
-        if (
-            stage not in dirs
-            and named
-            and (stage == "synth" or precomputed)
-            and (Path(named) / "manifest.json").is_file()
-        ):
+        if stage not in dirs and named and (stage == "synth" or precomputed) and (Path(named) / MANIFEST).is_file():
             dirs[stage] = Path(named)  # an input shared from another run: it still cost this drafter its time
-    synth = _read_json(dirs["synth"] / "manifest.json") if "synth" in dirs else None
+    synth = _read_json(dirs["synth"] / MANIFEST) if "synth" in dirs else None
     if synth:
         counts, timings = synth.get("counts", {}), synth.get("timings", {})
         run["synth"] = {
@@ -166,11 +162,11 @@ def load_run(entry: str) -> dict[str, Any]:
             "generation_seconds": timings.get("generation_seconds"),
             "seconds": timings.get("stage_seconds"),
         }
-        run["sources"].append(str(dirs["synth"] / "manifest.json"))
-    features = _read_json(dirs["features"] / "manifest.json") if "features" in dirs else None
+        run["sources"].append(str(dirs["synth"] / MANIFEST))
+    features = _read_json(dirs["features"] / MANIFEST) if "features" in dirs else None
     if features:
         run["features"] = {"seconds": (features.get("timings") or {}).get("seconds")}
-        run["sources"].append(str(dirs["features"] / "manifest.json"))
+        run["sources"].append(str(dirs["features"] / MANIFEST))
     run["budget_hours"] = budget_hours(run)
     if not run["sources"]:
         raise ConfigError(f"runs=[...]: nothing to compare in {entry} (no eval metrics.json, no train/synth manifest)")
@@ -358,7 +354,7 @@ def run_compare(cfg: Config, run_dir: Path) -> dict[str, Any]:
     atomic_write_json(run_dir / "compare.json", {"runs": runs})
     plot(runs, run_dir / "compare.png")
     write_manifest(
-        run_dir / "manifest.json",
+        run_dir / MANIFEST,
         "compare",
         cfg,
         inputs={"runs": list(cfg.runs)},

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from data.config import ConfigError, check_bounds
+from data.layout import BEST, MANIFEST, METRICS
 from data.manifest import write_manifest
 from data.target import load_target
 from data.vllm_engine import EngineError, VLLMEngine, find_engine_python
@@ -91,9 +92,9 @@ def check_deploy_config(d: DeployConfig) -> None:
 def read_acceptance(eval_dir: str | None, family: str) -> tuple[dict[str, list[float]], str] | None:
     """Per-source conditional per-position acceptance of the drafter's chain from the eval stage, and where it came
     from; None when there is no eval of this family's chain."""
-    if not eval_dir or not (Path(eval_dir) / "metrics.json").is_file():
+    if not eval_dir or not (Path(eval_dir) / METRICS).is_file():
         return None
-    metrics = json.loads((Path(eval_dir) / "metrics.json").read_text(encoding="utf-8")).get("metrics") or {}
+    metrics = json.loads((Path(eval_dir) / METRICS).read_text(encoding="utf-8")).get("metrics") or {}
     chains = [n for n in metrics if n.startswith(f"{family}_chain_k")]
     if not chains:
         return None
@@ -420,7 +421,7 @@ def _deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     d = cfg.deploy
     check_deploy_config(d)
-    drafter_dir = Path(d.drafter_dir or f"{cfg.train_dir}/best")
+    drafter_dir = Path(d.drafter_dir or f"{cfg.train_dir}/{BEST}")
     family = drafter_family(drafter_dir)
     fmt_name, method = vllm_format(family)
     try:
@@ -599,7 +600,7 @@ def _deploy(cfg: Config, run_dir: Path) -> dict[str, Any]:
     files = sorted(f.name for f in export_dir.iterdir() if f.is_file())
     atomic_write_text(card, model_card(src, get_format(family, fmt_name), files))
     write_manifest(
-        run_dir / "manifest.json",
+        run_dir / MANIFEST,
         "deploy",
         cfg,
         inputs={"drafter_dir": str(drafter_dir), "eval_dir": d.eval_dir, "synth_dir": cfg.synth_dir},

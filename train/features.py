@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from data.atomic import atomic_write_json, atomic_write_with
 from data.config import ConfigError
+from data.layout import MANIFEST
 from data.manifest import read_manifest, write_manifest
 from data.target import load_target
 from data.tracking import log_stage
@@ -45,8 +46,8 @@ def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> No
             old = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             old = {"corrupt": str(path)}
-    elif (out / "manifest.json").is_file():  # made before plan.json existed: its manifest says the same
-        m = read_manifest(out / "manifest.json")
+    elif (out / MANIFEST).is_file():  # made before plan.json existed: its manifest says the same
+        m = read_manifest(out / MANIFEST)
         old = {
             "synth_plan": (m.get("inputs") or {}).get("synth_plan"),
             "target_fingerprint": (m.get("target") or {}).get("fingerprint"),
@@ -68,7 +69,7 @@ def _check_or_write_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> No
         logger.warning("overwrite=true: removing the features of other inputs in %s (%s)", out, ", ".join(diff))
         for f in out.glob("part-*.safetensors"):
             f.unlink()
-        (out / "manifest.json").unlink(missing_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)
     atomic_write_json(path, plan)
 
 
@@ -76,7 +77,7 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
 
     if cfg.drafter is None:
         raise ConfigError("stage=features needs a drafter (drafter=eagle): it decides which layers to store")
-    synth = read_manifest(Path(cfg.synth_dir) / "manifest.json")
+    synth = read_manifest(Path(cfg.synth_dir) / MANIFEST)
     target = load_target(cfg.target)
     if synth["target"]["fingerprint"] != target.fingerprint:
         raise ConfigError(f"synth data in {cfg.synth_dir} was made by another target; rerun stage=synth")
@@ -142,7 +143,7 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
             atomic_write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
 
     manifest = write_manifest(
-        out / "manifest.json",
+        out / MANIFEST,
         "features",
         cfg,
         inputs={"synth_dir": cfg.synth_dir, "synth_plan": synth.get("plan_hash")},
@@ -160,7 +161,7 @@ def run_features(cfg: Config, out: Path) -> dict[str, Any]:
         out,
         "features",
         {"rows": len(rows), "tokens": tokens, "bytes": nbytes, "layers": str(layers), "timings": manifest["timings"]},
-        {"manifest": "manifest.json", "parts": "part-*.safetensors"},
+        {"manifest": MANIFEST, "parts": "part-*.safetensors"},
     )
     return manifest
 
@@ -178,7 +179,7 @@ class FeatureStore:
         max_seq_len: int,
     ) -> None:
         d = Path(directory)
-        m = read_manifest(d / "manifest.json")
+        m = read_manifest(d / MANIFEST)
         problems = []
         if m["inputs"].get("synth_plan") != synth_plan:
             problems.append("they were made from other synth data")

@@ -154,7 +154,7 @@ def test_synth_array_and_merge_equal_one_process_synth(
     manifest = json.loads((out / "manifest.json").read_text())
     ref = json.loads((synth_dir / "manifest.json").read_text())
     assert manifest["counts"]["rows"] == ref["counts"]["rows"] == 12 and manifest["counts"]["chunks"] == 2
-    from data.synth import load_synth_dataset
+    from data.synth_store import load_synth_dataset
 
     a, b = load_synth_dataset(out), load_synth_dataset(synth_dir)
     key = ["source", "id"]

@@ -124,7 +124,7 @@ def _synth_output(out: Path, rows_per_chunk: list[int]) -> None:
 def test_a_damaged_synth_chunk_is_named_not_trained_around(tmp_path: Path, damage: str) -> None:
     """Training reads every chunk its manifest counts, or none: a chunk gone, cut short, replaced by another file or
     by one with other rows, or one the run never wrote, is a user error naming it -- not a run on part of the data."""
-    from data.synth import check_synth_output, synth_chunks
+    from data.synth_store import check_synth_output, synth_chunks
     from train.batches import load_rows
 
     out = tmp_path / "synth"

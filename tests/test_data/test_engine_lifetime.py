@@ -18,7 +18,6 @@ from tests.conftest import REPO
 
 WORKER = """
 import subprocess, sys, time
-sys.path.insert(0, {repo!r})
 from data.vllm_engine import stop_group_with_parent
 stop_group_with_parent(0.1)
 child = subprocess.Popen(["sleep", "600"])  # stands for vLLM's EngineCore: same process group
@@ -50,8 +49,9 @@ def _wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
 
 
 def _start_stage() -> tuple[subprocess.Popen[str], int, int]:
-    worker = WORKER.format(repo=str(REPO))
-    stage = subprocess.Popen([sys.executable, "-c", STAGE.format(worker=worker)], stdout=subprocess.PIPE, text=True)
+    stage = subprocess.Popen(
+        [sys.executable, "-c", STAGE.format(worker=WORKER)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
     assert stage.stdout is not None
     worker_pid, child_pid = (int(x) for x in stage.stdout.readline().split())
     assert _alive(worker_pid) and _alive(child_pid)
@@ -85,7 +85,8 @@ def test_close_after_an_error_stops_the_engine_group_at_once() -> None:
 
     engine = VLLMEngine.__new__(VLLMEngine)  # the real close() on a worker-shaped process, without starting vLLM
     engine.proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER.format(repo=str(REPO))],
+        [sys.executable, "-c", WORKER],
+        cwd=REPO,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

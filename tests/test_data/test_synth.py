@@ -14,7 +14,8 @@ import torch
 
 from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation
-from data.synth import load_synth_dataset, synth_chunk
+from data.synth import synth_chunk
+from data.synth_store import load_synth_dataset
 from tests.conftest import REPO, compose
 
 pytestmark = pytest.mark.slow

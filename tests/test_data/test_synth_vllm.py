@@ -49,7 +49,7 @@ SMALL = [
 def test_greedy_plan_hash_ignores_the_engine_and_where_vllm_lives() -> None:
     """A resumed or resharded greedy run may switch between the fp32 engines or vLLM interpreters (rows are the
     same); bf16 or sampling rows depend on the engine, so there it counts; where vLLM is installed never does."""
-    from data.synth import plan_hash
+    from data.synth_store import plan_hash
 
     def h(*o: str) -> str:
         return plan_hash(compose(list(o)), "fp", [("s", "1")])

@@ -113,7 +113,7 @@ def test_plan_from_engine_measurements() -> None:
 
 def test_eval_recommends_the_built_in_decoders_k() -> None:
     """stage eval's K at batch 1 from its measured cost ratios: the argmax of E_K / (v + K c), plain when none pays."""
-    from eval.run import recommend_k
+    from eval.report import recommend_k
 
     for v, c in [(1.05, 0.02), (1.1, 0.08), (1.2, 0.3), (1.5, 0.5)]:
         preds = {k: expected_tokens(ALPHA, k) / (v + k * c) for k in range(1, 6)}

@@ -87,7 +87,7 @@ def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_en
     assert ours["decode_tau"] == pytest.approx(hf["tau"])
     assert metrics["eagle_chain_k3"]["all"]["draft_cost_ratio_c"] > 0
     # the K the built-in decoder would draft here at batch 1, from this eval's alpha, c and v (plain: 0)
-    from eval.run import recommend_k
+    from eval.report import recommend_k
 
     chain = metrics["eagle_chain_k3"]["all"]
     k, pred = recommend_k(chain["alpha"], chain["verify_cost_ratio_v"], chain["draft_cost_ratio_c"])

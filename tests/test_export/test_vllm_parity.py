@@ -27,8 +27,7 @@ needs_engine = pytest.mark.skipif(
 
 def test_split_conventions():
     """The two ways of counting the last step's acceptances (see scripts/vllm_parity.py)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from vllm_parity import split_conventions
+    from scripts.vllm_parity import split_conventions
 
     # M = 8: prefill gives 1 token; uncut steps accept 2, 0, 3; at step 3 there are 8 - 5 = 3 left -> cut to 2
     r = split_conventions(list(range(12)), [2, 0, 3, 1], max_new_tokens=8, k=3)

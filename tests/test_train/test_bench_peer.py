@@ -47,8 +47,7 @@ def test_peer_trains_loads_and_is_judged_as_ours(synth_dir: Path, tmp_path: Path
 def test_vs_peer_budget_and_vllm_statistics() -> None:
     """scripts/bench_vs_peer.py: the peer gets exactly our run's budget, and vLLM's per-prompt counters become tau,
     the ratio, the paired difference (ours minus the peer) and per-position shares without mixing up the sides."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_vs_peer import compare_vllm, peer_budget
+    from scripts.bench_vs_peer import compare_vllm, peer_budget
 
     manifest = {
         "config": {
@@ -97,10 +96,9 @@ def test_vs_peer_reuses_a_peer_only_for_the_same_plan_and_budget(tmp_path: Path)
     """--peer-from: an earlier comparison's peer is reused only if its peer.json names the same synth plan and exactly
     the budget our run asks for, with no other bench_peer.py option; the peer's vLLM rows only for the same prompts,
     K and token count."""
-    sys.path.insert(0, str(REPO / "scripts"))
     import argparse
 
-    from bench_vs_peer import check_peer_reusable, same_serving
+    from scripts.bench_vs_peer import check_peer_reusable, same_serving
 
     budget = ["--steps", "150", "--batch-rows", "8", "--lr", "0.001", "--seed", "2"]
     cmd = ["/usr/bin/python", "/x/scripts/bench_peer.py", "--synth-dir", "runs/s/synth", "--out", "runs/peer/a",
