@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from data.atomic import atomic_write_with
+from data.tables import cell, table
 from eval.metrics import DecodeStats, expected_tokens_per_step
 from eval.stats import bootstrap_tau_ci, describe_interval
 
@@ -205,34 +206,36 @@ def combine(
     return out
 
 
-def _f(v: float, spec: str, suffix: str = "") -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+EVAL_HEADER = [
+    "source", "method", "tau [95% CI]", "prompts", "alpha_1..3", "draft tok/step", "decode tau", "tok/s", "speedup",
+    "c", "v", "predicted", "identical",
+]  # fmt: skip
+
+
+def _eval_row(src: str, name: str, m: dict[str, Any]) -> list[str]:
+    al = ", ".join(cell(a, ".2f") for a in m["alpha"][:3]) if m["alpha"] else "-"
+    lo, hi = m.get("tau_ci", [math.nan, math.nan])
+    expected = f" (expected {cell(m['expected_tau'], '.2f')})" if "expected_tau" in m else ""
+    return [
+        src,
+        name,
+        f"{m['tau']:.2f} {describe_interval(lo, hi)}",
+        f"{m.get('prompts', '-')} {m.get('tau_from', '')}".strip(),
+        al,
+        f"{m['draft_tokens_per_step']:.1f}",
+        cell(m.get("decode_tau", math.nan), ".2f") + expected,
+        cell(m["tokens_per_s"], ".1f"),
+        cell(m["speedup"], ".2f", "x"),
+        cell(m["draft_cost_ratio_c"], ".3f"),
+        cell(m["verify_cost_ratio_v"], ".2f"),
+        cell(m["predicted_speedup"], ".2f", "x"),
+        cell(m["identical_to_plain"], ".0%"),
+    ]
 
 
 def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> str:
-    lines = [
-        "| source | method | tau [95% CI] | prompts | alpha_1..3 | draft tok/step | decode tau | tok/s | speedup | c "
-        "| v | predicted | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for src in sources:
-        for name, per in metrics.items():
-            m = per.get(src)
-            if m is None:
-                continue
-            al = ", ".join(_f(a, ".2f") for a in m["alpha"][:3]) if m["alpha"] else "-"
-            lo, hi = m.get("tau_ci", [math.nan, math.nan])
-            tau = f"{m['tau']:.2f} {describe_interval(lo, hi)}"
-            n = f"{m.get('prompts', '-')} {m.get('tau_from', '')}".strip()
-            lines.append(
-                f"| {src} | {name} | {tau} | {n} | {al} | {m['draft_tokens_per_step']:.1f} | "
-                f"{_f(m.get('decode_tau', math.nan), '.2f')}"
-                f"{' (expected ' + _f(m['expected_tau'], '.2f') + ')' if 'expected_tau' in m else ''} | "
-                f"{_f(m['tokens_per_s'], '.1f')} | "
-                f"{_f(m['speedup'], '.2f', 'x')} | {_f(m['draft_cost_ratio_c'], '.3f')} | "
-                f"{_f(m['verify_cost_ratio_v'], '.2f')} | "
-                f"{_f(m['predicted_speedup'], '.2f', 'x')} | {_f(m['identical_to_plain'], '.0%')} |"
-            )
+    rows = [_eval_row(src, name, per[src]) for src in sources for name, per in metrics.items() if src in per]
+    lines = table(EVAL_HEADER, rows)
     for name, per in metrics.items():
         m = per.get("all") or {}
         if m.get("recommended_k") is not None and not math.isnan(m.get("recommended_predicted_speedup", math.nan)):
@@ -249,19 +252,15 @@ def markdown_table(metrics: dict[str, dict[str, Any]], sources: list[str]) -> st
 def temperature_table(metrics: dict[str, dict[str, Any]], sources: list[str], temps: list[float]) -> str:
     """tau [95% interval] per method and source at each replayed temperature (``eval.temperatures``)."""
     cols = [f"{t:g}" for t in temps]
-    lines = [
-        "tau by temperature (replay; sampled paths at T > 0):\n",
-        "| source | method | " + " | ".join(f"T={c}" for c in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
-    ]
+    rows = []
     for src in sources:
         for name, per in metrics.items():
             bt = (per.get(src) or {}).get("by_temperature")
-            if not bt:
-                continue
-            cells = [f"{bt[c]['tau']:.2f} {describe_interval(*bt[c]['tau_ci'])}" if c in bt else "-" for c in cols]
-            lines.append(f"| {src} | {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            if bt:
+                cells = [f"{bt[c]['tau']:.2f} {describe_interval(*bt[c]['tau_ci'])}" if c in bt else "-" for c in cols]
+                rows.append([src, name, *cells])
+    lines = table(["source", "method", *(f"T={c}" for c in cols)], rows)
+    return "\n".join(["tau by temperature (replay; sampled paths at T > 0):\n", *lines])
 
 
 def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:

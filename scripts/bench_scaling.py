@@ -144,6 +144,7 @@ def fmt_tau(t: dict[str, Any] | None, src: str) -> str:
 
 
 def markdown(s: dict[str, Any]) -> str:
+    from data.tables import table
     from eval.stats import describe_paired
 
     sources = s["sources"]
@@ -156,9 +157,8 @@ def markdown(s: dict[str, Any]) -> str:
         f"held-out prompts as its eval; reference row `{s['reference']}`. CPU time: synth and features scaled from "
         "the base run's stage times by the share of tokens each row uses; train is the row's own.",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
     ]
+    rows = []
     for r in s["rows"]:
         sec = r["seconds"]
         chain, tree = r["tau"].get("chain"), r["tau"].get("tree")
@@ -173,8 +173,8 @@ def markdown(s: dict[str, Any]) -> str:
             f"{sec['synth'] / 60:.1f} / {sec['features'] / 60:.1f} / {sec['train'] / 60:.1f}", f"{r['cpu_hours']:.2f}",
             *[fmt_tau(chain, src) for src in sources], fmt_tau(tree, "all"), paired,
         ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return "\n".join(lines + table(head, rows)) + "\n"
 
 
 def plot(s: dict[str, Any], path: Path) -> None:

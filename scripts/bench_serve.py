@@ -165,16 +165,23 @@ def summarise(raw: dict[str, dict[int, Served]], args: argparse.Namespace) -> di
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        "| concurrency | config | tokens/s | vs plain | mean acceptance length | identical to plain |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in report["rows"]:
-        mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-        lines.append(
-            f"| {r['concurrency']} | {r['config']} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x | {mal} | "
-            f"{r['identical_to_plain']} |"
-        )
+    from data.tables import cell, table
+
+    header = ["concurrency", "config", "tokens/s", "vs plain", "mean acceptance length", "identical to plain"]
+    lines = table(
+        header,
+        (
+            [
+                str(r["concurrency"]),
+                r["config"],
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['vs_plain']:.2f}x",
+                cell(r["mean_acceptance_length"], ".2f"),
+                str(r["identical_to_plain"]),
+            ]
+            for r in report["rows"]
+        ),
+    )
     best = ", ".join(f"c={c}: {k}" for c, k in report["best_drafter_k_per_concurrency"].items())
     text = "\n".join(lines) + f"\n\nBest drafter K per concurrency (measured): {best}\n"
     for c, m in (report.get("cost_model") or {}).items():

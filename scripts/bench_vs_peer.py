@@ -221,36 +221,46 @@ def same_serving(earlier: Path, prompts_path: Path, args: argparse.Namespace) ->
 
 
 def markdown(s: dict[str, Any]) -> str:
+    from data.tables import table
     from eval.stats import describe_paired
 
+    t = s["throughput"]
+    rows = [
+        ["training tokens/s", f"{t['ours']:.1f}", f"{t['peer']:.1f}", f"{t['ratio']:.2f}x"],
+        ["training seconds", f"{t['ours_seconds']:.0f}", f"{t['peer_seconds']:.0f}", ""],
+    ]
+    for method, r in s.get("replay", {}).items():
+        rows.append(
+            [
+                f"replay tau, {method} ({r['prompts']} prompts)",
+                f"{r['tau_ours']:.3f}",
+                f"{r['tau_peer']:.3f}",
+                f"{r['ratio']:.3f}x; paired {describe_paired(r['paired'])}",
+            ]
+        )
+    v = s.get("vllm")
+    if v:
+        for src, r in v["by_source"].items():
+            rows.append(
+                [
+                    f"vLLM tau_all K={v['k']}, {src} ({r['prompts']} prompts)",
+                    f"{r['tau_ours']:.3f}",
+                    f"{r['tau_peer']:.3f}",
+                    f"{r['ratio']:.3f}x; paired {describe_paired(r['paired'])}",
+                ]
+            )
+        a = v["by_source"]["all"]
+        rows += [
+            ["vLLM per-position acceptance (all)", str(a["position_shares_ours"]), str(a["position_shares_peer"]), ""],
+            ["vLLM outputs identical, ours vs peer", f"{a['outputs_identical']}/{a['prompts']}", "", ""],
+        ]
     lines = [
         f"# Ours vs the peer (speculators' EAGLE-3 trainer): {s['name']}",
         "",
         f"Budget: {s['budget']}",
         "",
-        "| | ours | peer | ours / peer |",
-        "|---|---|---|---|",
-        f"| training tokens/s | {s['throughput']['ours']:.1f} | {s['throughput']['peer']:.1f} | "
-        f"{s['throughput']['ratio']:.2f}x |",
-        f"| training seconds | {s['throughput']['ours_seconds']:.0f} | {s['throughput']['peer_seconds']:.0f} | |",
+        *table(["", "ours", "peer", "ours / peer"], rows),
     ]
-    for method, r in s.get("replay", {}).items():
-        lines.append(
-            f"| replay tau, {method} ({r['prompts']} prompts) | {r['tau_ours']:.3f} | {r['tau_peer']:.3f} | "
-            f"{r['ratio']:.3f}x; paired {describe_paired(r['paired'])} |"
-        )
-    v = s.get("vllm")
-    if v:
-        for src, r in v["by_source"].items():
-            lines.append(
-                f"| vLLM tau_all K={v['k']}, {src} ({r['prompts']} prompts) | {r['tau_ours']:.3f} | "
-                f"{r['tau_peer']:.3f} | {r['ratio']:.3f}x; paired {describe_paired(r['paired'])} |"
-            )
-        a = v["by_source"]["all"]
-        lines += [
-            f"| vLLM per-position acceptance (all) | {a['position_shares_ours']} | {a['position_shares_peer']} | |",
-            f"| vLLM outputs identical, ours vs peer | {a['outputs_identical']}/{a['prompts']} | | |",
-        ]
     lines += ["", "Criteria (issue 17):"]
     for name, ok in s["criteria"].items():
         lines.append(f"- {name}: {'met' if ok else 'NOT met'}")

@@ -28,6 +28,7 @@ from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from data.config import ConfigError
 from data.layout import MANIFEST, METRICS
 from data.manifest import write_manifest
+from data.tables import table
 from eval.stats import describe_paired, paired_tau_diff
 from train.config import Config
 
@@ -279,9 +280,7 @@ def rows(runs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
 
 
 def markdown(runs: list[dict[str, Any]]) -> str:
-    head = "| | " + " | ".join(r["label"] for r in runs) + " |"
-    sep = "|---|" + "---|" * len(runs)
-    return "\n".join([head, sep, *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows(runs))])
+    return "\n".join(table(["", *(r["label"] for r in runs)], ([label, *cells] for label, cells in rows(runs))))
 
 
 def _yerr(taus: list[float], cis: list[tuple[float, float] | None]) -> list[list[float]]:

@@ -34,6 +34,7 @@ from data.atomic import atomic_write_json, atomic_write_text, atomic_write_with
 from data.config import ConfigError, check_bounds
 from data.layout import BEST, MANIFEST, METRICS
 from data.manifest import write_manifest
+from data.tables import table
 from data.target import load_target
 from data.vllm_engine import EngineError, VLLMEngine, find_engine_python
 from eval.heldout import Prompt, load_heldout
@@ -239,9 +240,7 @@ def markdown(report: dict[str, Any], plan: Plan, allowed: list[int]) -> str:
             f'vllm serve {report["target"]} --speculative-config "$(cat {report["vllm_json"]})"',
             "```",
             "",
-            "| batch sizes | K |",
-            "|---|---|",
-            *[f"| {lo}-{hi} | {k if k else 'off'} |" for lo, hi, k in plan.schedule],
+            *table(["batch sizes", "K"], ([f"{lo}-{hi}", k if k else "off"] for lo, hi, k in plan.schedule)),
             "",
             "Where the schedule says off, vLLM still runs the draft's first forward (to keep its KV cache), so the "
             "drafter's engine runs at the K=0 column's speed there, not plain's: if your server spends most of its "
@@ -266,23 +265,29 @@ def markdown(report: dict[str, Any], plan: Plan, allowed: list[int]) -> str:
         "",
         *advice,
         "",
-        "| batch | plain tok/s | K=0 (meas) | a | b | "
-        + " | ".join(f"K={k} pred (meas)" for k in ks)
-        + " | chosen | why |",
-        "|---|---|---|---|---|" + "---|" * len(ks) + "---|---|",
     ]
     meas = report.get("measured_vs_plain") or {}
+    rows = []
     for b in sizes:
         c = plan.costs[b]
         cells = []
         for k in ks:
             m = meas.get(str(b), {}).get(str(k))
             cells.append(f"{plan.predicted('all', b, k):.2f}x" + (f" ({m:.2f}x)" if m is not None else ""))
-        lines.append(
-            f"| {b} | {plan.plain_tokens_per_s[b]:.1f} | {plan.idle(b):.2f}x | {c.a:.2f} | {c.b:.3f} | "
-            + " | ".join(cells)
-            + f" | {plan.chosen[b][0] or 'off'} | {why(plan, b, ks)} |"
+        rows.append(
+            [
+                str(b),
+                f"{plan.plain_tokens_per_s[b]:.1f}",
+                f"{plan.idle(b):.2f}x",
+                f"{c.a:.2f}",
+                f"{c.b:.3f}",
+                *cells,
+                str(plan.chosen[b][0] or "off"),
+                why(plan, b, ks),
+            ]
         )
+    header = ["batch", "plain tok/s", "K=0 (meas)", "a", "b", *(f"K={k} pred (meas)" for k in ks), "chosen", "why"]
+    lines += table(header, rows)
     e = ", ".join(f"E_{k}={expected_tokens(plan.alpha['all'], k):.2f}" for k in ks)
     al = ", ".join(f"{a:.2f}" for a in plan.alpha["all"][: max(ks, default=0)])
     lines += ["", f"Acceptance (all sources): alpha = [{al}]; {e}.", ""]
@@ -303,9 +308,8 @@ def markdown(report: dict[str, Any], plan: Plan, allowed: list[int]) -> str:
             "vLLM's schedule is one for all traffic. The K a deployment per domain would choose, and what it would "
             "gain over the global schedule (predicted, ratio to plain):",
             "",
-            "| domain | " + " | ".join(f"B={b}" for b in sizes) + " |",
-            "|---|" + "---|" * len(sizes),
         ]
+        rows = []
         for dom, ch in plan.per_domain.items():
             cells = []
             for b in sizes:
@@ -314,7 +318,8 @@ def markdown(report: dict[str, Any], plan: Plan, allowed: list[int]) -> str:
                 rg = plan.predicted(dom, b, kg)
                 glob = f" (global K={kg or 'off'}: {rg:.2f}x)" if kd != kg else ""
                 cells.append(f"K={kd or 'off'} {rd:.2f}x{glob}")
-            lines.append(f"| {dom} | " + " | ".join(cells) + " |")
+            rows.append([dom, *cells])
+        lines += table(["domain", *(f"B={b}" for b in sizes)], rows)
         lines.append("")
     if report.get("sglang"):
         lines += ["## SGLang", "", report["sglang"], ""]
@@ -324,17 +329,28 @@ def markdown(report: dict[str, Any], plan: Plan, allowed: list[int]) -> str:
             "",
             f"Schedule served: `{report['schedule_verified']}`.",
             "",
-            "| batch | plain tok/s | best fixed | schedule (K) | schedule / best | schedule / plain | predicted | "
-            "identical to plain | K vLLM drafted |",
-            "|---|---|---|---|---|---|---|---|---|",
         ]
-        for row in report["verify"]:
-            lines.append(
-                f"| {row['batch']} | {row['plain_tokens_per_s']:.1f} | K={row['best_fixed_k'] or 'plain'} "
-                f"{row['best_fixed_vs_plain']:.2f}x | {row['schedule_vs_plain']:.2f}x (K={row['schedule_k'] or 'off'}) "
-                f"| {row['schedule_vs_best']:.3f} | {row['schedule_vs_plain']:.3f} | "
-                f"{row['predicted_vs_plain']:.2f}x | {row['identical']} | {row['schedule_k_served']:.2f} |"
-            )
+        header = [
+            "batch", "plain tok/s", "best fixed", "schedule (K)", "schedule / best", "schedule / plain", "predicted",
+            "identical to plain", "K vLLM drafted",
+        ]  # fmt: skip
+        lines += table(
+            header,
+            (
+                [
+                    str(r["batch"]),
+                    f"{r['plain_tokens_per_s']:.1f}",
+                    f"K={r['best_fixed_k'] or 'plain'} {r['best_fixed_vs_plain']:.2f}x",
+                    f"{r['schedule_vs_plain']:.2f}x (K={r['schedule_k'] or 'off'})",
+                    f"{r['schedule_vs_best']:.3f}",
+                    f"{r['schedule_vs_plain']:.3f}",
+                    f"{r['predicted_vs_plain']:.2f}x",
+                    str(r["identical"]),
+                    f"{r['schedule_k_served']:.2f}",
+                ]
+                for r in report["verify"]
+            ),
+        )
         lines += [
             "",
             "K vLLM drafted: draft tokens per proposal from vLLM's counters (requests finish at different times, "

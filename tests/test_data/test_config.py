@@ -284,7 +284,21 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(p.stem for p in (CONF / "drafter").glob("*.yaml")))
+DRAFTER_YAMLS = sorted(p.stem for p in (CONF / "drafter").glob("*.yaml"))
+PRESETS = {"eagle3_sglang"}
+"""conf/drafter/ files that select a family with other values (a recipe), not a family's defaults."""
+
+
+def test_every_drafter_yaml_is_a_family_or_a_preset() -> None:
+    from train.drafters import registry
+
+    assert set(registry.BUILTIN) <= set(DRAFTER_YAMLS)
+    assert set(DRAFTER_YAMLS) - set(registry.BUILTIN) == PRESETS
+    for preset in PRESETS:
+        assert compose([f"drafter={preset}"]).drafter.name in registry.BUILTIN
+
+
+@pytest.mark.parametrize("family", [f for f in DRAFTER_YAMLS if f not in PRESETS])
 def test_the_cli_default_is_the_schema_default(family: str) -> None:
     """One source of truth: what ``python -m train drafter=<family>`` composes with no other override is the config
     a user gets in code (``Config()`` with that family's dataclass), key for key -- a value a YAML file sets
@@ -306,3 +320,17 @@ def test_the_cli_default_is_the_schema_default(family: str) -> None:
     }
     assert not differ, f"conf/ and the schema disagree (cli, code): {differ}"
     assert a["drafter.name"] == family
+
+
+def test_the_sglang_preset_is_eagle3_without_the_norms() -> None:
+    """``drafter=eagle3_sglang`` (conf/drafter/eagle3_sglang.yaml) trains the EAGLE-3 family with every eagle3 default
+    but speculators' three optional norms, which SGLang's EAGLE-3 model lacks (its export refuses them)."""
+    from dataclasses import asdict
+
+    base = asdict(compose(["drafter=eagle3"]).drafter)
+    preset = compose(["experiment=quickstart", "drafter=eagle3_sglang"]).drafter
+    sgl = asdict(preset)
+    assert preset.name == "eagle3"
+    differ = {k for k in base if base[k] != sgl[k]}
+    assert differ == {"norm_before_fc", "norm_before_residual", "norm_output"}, differ
+    assert not any(sgl[k] for k in differ)

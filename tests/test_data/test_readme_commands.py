@@ -1,13 +1,14 @@
-"""Every `python -m train ...` command in the README's bash blocks passes the CLI's own checks as written (known
-keys and stages, config groups that exist, values of the right type, Hydra composing it): the README cannot name a
-key, option or value the code no longer has. Shell variables set in the same block (``Q="..."``) are expanded as
-the shell would. Running the commands is other tests' work (the quickstart: test_pipeline; the Train examples'
-families: their own files); this check costs well under a second."""
+"""Every `python -m train ...` command in the bash blocks of the README and of docs/*.md passes the CLI's own checks
+as written (known keys and stages, config groups that exist, values of the right type, Hydra composing it): the
+documents cannot name a key, option or value the code no longer has. Shell variables set in the same block
+(``Q="..."``) are expanded as the shell would. Running the commands is other tests' work (the quickstart:
+test_pipeline; the families' examples: their own files); this check costs well under a second."""
 
 from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +17,17 @@ from tests.conftest import REPO
 LAUNCH = re.compile(r"^(?:bash scripts/setup\.sh && )?(?:python3?|torchrun(?: --\S+(?: \S+)?)*) -m train\b")
 
 
-def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line number, the arguments after ``-m train``) of each command in the README's ```bash blocks."""
-    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+"""The user's documents (docs/log/ is the dated record: its commands are as they were run)."""
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """(file:line, the arguments after ``-m train``) of each command in the documents' ```bash blocks."""
+    return [(f"{path.relative_to(REPO)}:{line}", args) for path in DOCS for line, args in file_commands(path)]
+
+
+def file_commands(path: Path) -> list[tuple[int, list[str]]]:
+    lines = path.read_text(encoding="utf-8").splitlines()
     out: list[tuple[int, list[str]]] = []
     in_block, env = False, {}
     i = 0
@@ -51,15 +60,17 @@ def readme_commands() -> list[tuple[int, list[str]]]:
 
 def test_the_readme_has_commands_to_check() -> None:
     cmds = readme_commands()
-    assert len(cmds) >= 10, cmds  # the quickstart, the stages, the Train examples, your own target
-    assert any("deepspeed=zero3" in args for _, args in cmds)  # a torchrun line is parsed too
+    readme = [args for where, args in cmds if where.startswith("README.md:")]
+    assert len(readme) >= 10, readme  # the quickstart, the stages, the families' examples, your own target
+    assert ["stage=all", "experiment=quickstart"] in readme
+    assert any("deepspeed=zero3" in args for args in readme)  # a torchrun line is parsed too
 
 
-@pytest.mark.parametrize(("line", "args"), readme_commands(), ids=lambda v: f"L{v}" if isinstance(v, int) else "")
-def test_readme_command_passes_the_cli_checks(line: int, args: list[str]) -> None:
+@pytest.mark.parametrize(("line", "args"), readme_commands(), ids=lambda v: v if isinstance(v, str) else "")
+def test_readme_command_passes_the_cli_checks(line: str, args: list[str]) -> None:
     from train.__main__ import preflight
 
-    assert not any("$" in a for a in args), f"README line {line}: an unexpanded shell variable in {args}"
+    assert not any("$" in a for a in args), f"{line}: an unexpanded shell variable in {args}"
     if args == ["stage=help"]:  # answered by the CLI before any check (it lists the stages)
         from train.__main__ import stage_help
 

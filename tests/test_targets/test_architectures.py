@@ -65,7 +65,7 @@ FIT_LR = {"dflash": 3e-3}
 rate its attention does not settle on a random target's near-uniform distributions."""
 """EAGLE-1's loss is mostly its feature regression (the cross-entropy weighs 0.1), so it needs more steps than the
 other families before its drafts are accepted on a random target's near-uniform distributions."""
-REFUSED = {("eagle3", "sglang_eagle3"): "use format=speculators", ("dflash", "sglang_dflash"): "freeze_lm_head=true"}
+REFUSED = {("eagle3", "sglang_eagle3"): "use export=speculators", ("dflash", "sglang_dflash"): "freeze_lm_head=true"}
 """Formats the families' default recipes cannot be written in (SGLang has no form of EAGLE-3's norms, and its DFlash
 drafts through the target's LM head): the export refuses, naming what to do instead."""
 DECODE_KW = {"chain_k": 3, "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 8}

@@ -253,7 +253,8 @@ def _sgl_check_norms(src: Source) -> None:
     if on:
         raise ExportError(
             f"{src.drafter_dir}: an EAGLE-3 head trained with {on} cannot be written for SGLang: its "
-            "LlamaForCausalLMEagle3 has no such norms (the head would draft with other math); use format=speculators"
+            "LlamaForCausalLMEagle3 has no such norms (the head would draft with other math); use "
+            "export=speculators, or train for SGLang with drafter=eagle3_sglang"
         )
 
 
