@@ -179,18 +179,14 @@ strainer._StepTimer.now = _now
 
 
 # -- CPU patch 3: torch's Muon runs Newton-Schulz in bf16, which a CPU without native bf16 matmul emulates (~14 s
-# a step here); the same iteration in fp32.
+# a step here); the same iteration in fp32: the project's own (train/optim.py imports only torch, so the engine
+# venv's torch runs it from the repository).
+sys.path.insert(0, job["repo"])
+from train.optim import orthogonalise
+
+
 def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, update, x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
+    return orthogonalise(grad, ns_steps, torch.float32, coefficients=tuple(ns_coefficients), eps=eps)
 
 
 _muon._zeropower_via_newtonschulz = _newton_schulz_fp32
@@ -536,6 +532,7 @@ def main() -> None:
         "max_seq_len": args.max_seq_len,
         "threads": threads,
         "log_every": args.log_every,
+        "repo": str(REPO),
     }
     job_path = out / "job.json"
     job_path.write_text(json.dumps(job), encoding="utf-8")

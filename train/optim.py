@@ -46,14 +46,21 @@ def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parame
     return muon, adamw, names
 
 
-def orthogonalise(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """The quintic Newton-Schulz iteration of Muon (``torch.optim._muon``'s), computed in ``dtype``."""
-    a, b, c = NS_COEFFICIENTS
+def orthogonalise(
+    g: torch.Tensor,
+    steps: int,
+    dtype: torch.dtype,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = NS_EPS,
+) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration of Muon (``torch.optim._muon``'s), computed in ``dtype`` (also the peer
+    trainer's, ``scripts/bench_peer.py``, with the coefficients torch passes it)."""
+    a, b, c = coefficients
     x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=NS_EPS)
+    x = x / x.norm().clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.T
         upd = torch.addmm(gram, gram, gram, beta=b, alpha=c)

@@ -367,7 +367,11 @@ def test_schema_entries_are_not_drafter_choices(run_env: dict[str, str], tmp_pat
     options = out.split("Available options in 'drafter':", 1)[1].split("(in the command-line", 1)[0]
     from train.drafters import registry
 
-    assert [o.strip() for o in options.split(",")] == registry.names()  # the families, sorted; no schema entries
+    presets = sorted(p.stem for p in (REPO / "conf" / "drafter").glob("*.yaml"))
+    offered = [o.strip() for o in options.split(",")]
+    # the families and the presets (conf/drafter/*.yaml), sorted; no schema entries
+    assert offered == presets and set(registry.names()) <= set(offered)
+    assert not any("schema" in o for o in offered)
 
 
 # -- 7. corrupt or missing inputs are named, with a hint, before the target loads ---------------------------------
