@@ -222,6 +222,7 @@ class DataConfig:
         "heldout_fraction": between(0, 1, hi_open=True),
         "max_heldout": at_least(0),
         "max_turns": at_least(1),
+        "heldout_max_turns": at_least(1, "or null: data.max_turns"),
         "max_prompt_tokens": at_least(1),
         "max_message_chars": at_least(1),
     }
@@ -239,12 +240,19 @@ class DataConfig:
     """Held-out conversations written per source for the eval stage."""
     max_turns: int = 4
     """User turns kept per conversation (later turns are dropped)."""
+    heldout_max_turns: int | None = None
+    """User turns kept per held-out conversation (None: data.max_turns), so that stage eval can judge later
+    turns (``eval.turns``) of a recipe that trains on first turns only. Training rows are the same either way."""
     max_prompt_tokens: int = 1024
     """A conversation whose first prompt is longer than this (in target tokens) is skipped and counted."""
     max_message_chars: int = 16000
     """A message longer than this (in characters) makes the row malformed (skipped and counted)."""
     shuffle_seed: int = 0
     """Seed of the deterministic shuffle that picks which conversations are used."""
+
+    def read_turns(self) -> int:
+        """User turns each source reader keeps (the most of training's and the held-out split's)."""
+        return max(self.max_turns, self.heldout_max_turns or 0)
 
 
 @dataclass

@@ -96,12 +96,15 @@ def content_text(content: Any) -> str:
     return "".join(parts)
 
 
-def normalise_messages(raw: Any, max_chars: int, max_turns: int) -> list[dict[str, str]]:
+def normalise_messages(raw: Any, max_chars: int, max_turns: int, keep_turns: int | None = None) -> list[dict[str, str]]:
     """Validate and normalise a list of messages; raise :class:`Skip` with the reason when malformed.
 
     Accepts OpenAI style (``role``/``content``) and ShareGPT style (``from``/``value``). The result starts
     with an optional system message, then alternates user/assistant starting with user, keeping at most
-    ``max_turns`` user turns (and the assistant answers between them).
+    ``max_turns`` user turns (and the assistant answers between them). ``keep_turns`` (> ``max_turns``; the
+    held-out split's ``data.heldout_max_turns``) keeps that many instead, the turns past ``max_turns`` only up to
+    an empty user message: whether a row is valid, and what :func:`truncate_turns` to ``max_turns`` gives, do
+    not depend on it.
     """
     if not isinstance(raw, list) or not raw:
         raise Skip("empty")
@@ -137,13 +140,24 @@ def normalise_messages(raw: Any, max_chars: int, max_turns: int) -> list[dict[st
     users = 0
     for msg in body:
         if msg["role"] == "user":
-            if users == max_turns:
+            if users == max(max_turns, keep_turns or 0) or (users >= max_turns and not msg["content"].strip()):
                 break
             users += 1
         kept.append(msg)
     if any(not m["content"].strip() for m in kept if m["role"] == "user"):
         raise Skip("empty_message")
     return system + kept
+
+
+def truncate_turns(messages: list[dict[str, str]], max_turns: int) -> list[dict[str, str]]:
+    """The messages before the ``max_turns + 1``-th user turn."""
+    users = 0
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            if users == max_turns:
+                return messages[:i]
+            users += 1
+    return messages
 
 
 def iter_json_array(path: Path) -> Iterator[Any]:
@@ -190,7 +204,9 @@ def read_sharegpt(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCou
         try:
             if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
                 raise Skip("missing_id")
-            msgs = normalise_messages(rec.get("conversations"), data.max_message_chars, data.max_turns)
+            msgs = normalise_messages(
+                rec.get("conversations"), data.max_message_chars, data.max_turns, data.read_turns()
+            )
         except Skip as s:
             skips.add(name, s.reason)
             continue
@@ -348,13 +364,14 @@ def read_jsonl(name: str, cfg: SourceConfig, data: DataConfig, skips: SkipCounte
                     raw = [{"role": "user", "content": content_text(rec["prompt"])}]
                 elif raw is None and "messages" not in rec:
                     raise Skip("no_messages_or_prompt")
-                msgs = normalise_messages(raw, data.max_message_chars, data.max_turns)
+                msgs = normalise_messages(raw, data.max_message_chars, data.max_turns, data.read_turns())
             except Skip as s:
                 skips.add(name, s.reason)
                 continue
             cid = rec.get("id")
-            if not isinstance(cid, str | int):
-                cid = hashlib.sha256(json.dumps(msgs, sort_keys=True).encode()).hexdigest()[:16]
+            if not isinstance(cid, str | int):  # the training turns' hash: the same whatever heldout_max_turns
+                first = truncate_turns(msgs, data.max_turns)
+                cid = hashlib.sha256(json.dumps(first, sort_keys=True).encode()).hexdigest()[:16]
             yield Conversation(id=str(cid), source=name, messages=msgs)
 
 

@@ -12,12 +12,12 @@ import json
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from data.config import ConfigError, DataConfig
 from data.layout import HELDOUT
-from data.sources import Conversation, SkipCounter, check_sources, read_source
+from data.sources import Conversation, SkipCounter, check_sources, read_source, truncate_turns
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,11 @@ def select(data: DataConfig, skips: SkipCounter, prompt_len: Callable[[Conversat
         train: list[Conversation] = []
         held: list[Conversation] = []
         for conv in read_source(name, src, data, skips):
-            (held if is_heldout(name, conv.id, data.split_salt, data.heldout_fraction) else train).append(conv)
+            if is_heldout(name, conv.id, data.split_salt, data.heldout_fraction):
+                turns = data.heldout_max_turns or data.max_turns  # eval.turns judges each of them
+                held.append(replace(conv, messages=truncate_turns(conv.messages, turns)))
+            else:
+                train.append(replace(conv, messages=truncate_turns(conv.messages, data.max_turns)))
         sel.available[name] = {"train": len(train), "heldout": len(held)}
         for part in (train, held):
             part.sort(key=lambda c: c.id)

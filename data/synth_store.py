@@ -63,6 +63,7 @@ def plan_inputs(cfg: RunConfig, fingerprint: str, ids: list[tuple[str, str]]) ->
             synth.pop("vllm_dtype")  # ... unless vLLM runs in lower precision or compiled (near-ties may flip);
             synth.pop("vllm_eager")  # the defaults hash as before these settings existed
     data = asdict(cfg.data)
+    data.pop("heldout_max_turns")  # the held-out split's turns: no training row depends on them
     for src in data["sources"].values():
         if src.get("regenerate") is None:
             src.pop("regenerate", None)  # unset: hashes as before the setting existed

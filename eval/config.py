@@ -28,6 +28,14 @@ class DraftSampling(Choice):
     greedy = "greedy"
 
 
+class Turns(Choice):
+    """Which user turns of a held-out conversation are judged."""
+
+    first = "first"
+    last = "last"
+    all = "all"
+
+
 class EvalDecode(Choice):
     chain = "chain"
     tree = "tree"
@@ -55,6 +63,7 @@ class EvalConfig(Choices):
         "tree_top_k": at_least(1, "or null: the drafter's own"),
         "tree_total_tokens": at_least(1, "or null: the drafter's own"),
         "prompt_lookup_max_ngram": at_least(1),
+        "context_buckets": at_least(1, "increasing prompt lengths in tokens"),
     }
 
     proposers: list[str] = field(default_factory=lambda: ["drafter", "prompt_lookup"])
@@ -75,7 +84,16 @@ class EvalConfig(Choices):
     speed, token-for-token check at temperature 0); both: replay for tau, decode for speed on the first
     decode_prompts prompts per source."""
     num_prompts: int = 200
-    """Held-out prompts per source (replay; decode too when mode=decode)."""
+    """Held-out conversations (or traffic rows) per source (replay; decode too when mode=decode); each gives one
+    prompt per judged turn (eval.turns)."""
+    turns: Turns = Turns.all
+    """Which user turns of each held-out conversation are judged: all (each turn, its earlier turns and their
+    answers as context) | first | last. The held-out split keeps data.heldout_max_turns turns (default
+    data.max_turns: a recipe that trains on first turns judges first turns unless it raises it); a turn whose
+    prompt is over data.max_prompt_tokens is left out. table.md then shows tau by turn and by context length."""
+    context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 4096])
+    """Edges of the context-length buckets (prompt tokens, earlier turns included) of table.md's "tau by context
+    length" table and metrics.json's ``by_context``: the default gives <512, 512-2k, 2k-4k, 4k+."""
     max_new_tokens: int = 256
     """New tokens per prompt (replay; decode too when mode=decode)."""
     decode_prompts: int = 4

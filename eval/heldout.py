@@ -27,10 +27,35 @@ class Prompt:
     source: str
     id: str
     input_ids: list[int]
+    turn: int = 1
+    """Which user turn of its conversation this prompt ends with (1 = the first; the earlier turns and their
+    answers are its context)."""
 
 
-def load_heldout(synth_dir: str | Path, tokenizer: Any, per_source: int, max_prompt_tokens: int = 1024) -> list[Prompt]:
-    """The first user turn of up to ``per_source`` held-out conversations of each source."""
+def turn_prompts(
+    tokenizer: Any, source: str, cid: str, messages: list[dict[str, str]], turns: str, max_prompt_tokens: int
+) -> list[Prompt]:
+    """One conversation's prompts to judge: the history up to and including each chosen user turn (``turns``:
+    first | last | all), rendered with the chat template; those over ``max_prompt_tokens`` are left out. The first
+    turn keeps the conversation's id (caches and paired comparisons see the same prompt as before turns were
+    judged); turn t > 1 is ``<id>#t<t>``."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    chosen = {"first": users[:1], "last": users[-1:], "all": users}[str(turns)]
+    out = []
+    for i in chosen:
+        t = users.index(i) + 1
+        ids = prompt_ids(tokenizer, messages[: i + 1])
+        if len(ids) <= max_prompt_tokens:
+            out.append(Prompt(source, cid if t == 1 else f"{cid}#t{t}", ids, t))
+    return out
+
+
+def load_heldout(
+    synth_dir: str | Path, tokenizer: Any, per_source: int, max_prompt_tokens: int = 1024, turns: str = "first"
+) -> list[Prompt]:
+    """Prompts of up to ``per_source`` held-out conversations of each source: each conversation's first user turn,
+    or its last, or every turn (``turns``; see :func:`turn_prompts`). A conversation none of whose chosen turns fits
+    ``max_prompt_tokens`` is passed over."""
     path = Path(synth_dir) / HELDOUT
     if not path.is_file():
         raise FileNotFoundError(
@@ -43,26 +68,30 @@ def load_heldout(synth_dir: str | Path, tokenizer: Any, per_source: int, max_pro
         src = rec["source"]
         if counts.get(src, 0) >= per_source:
             continue
-        msgs = rec["messages"]
-        first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
-        ids = prompt_ids(tokenizer, msgs[: first_user + 1])
-        if len(ids) > max_prompt_tokens:
-            continue
-        counts[src] = counts.get(src, 0) + 1
-        prompts.append(Prompt(src, str(rec["id"]), ids))
+        mine = turn_prompts(tokenizer, src, str(rec["id"]), rec["messages"], turns, max_prompt_tokens)
+        if mine:
+            counts[src] = counts.get(src, 0) + 1
+            prompts.extend(mine)
     if not prompts:
         raise ValueError(f"no usable held-out prompts in {path}")
     return prompts
 
 
 def traffic_prompts(
-    pattern: str, tokenizer: Any, per_source: int, max_prompt_tokens: int, max_chars: int = 20000
+    pattern: str,
+    tokenizer: Any,
+    per_source: int,
+    max_prompt_tokens: int,
+    max_chars: int = 20000,
+    turns: str = "first",
+    max_turns: int = 64,
 ) -> tuple[list[Prompt], dict[str, int]]:
-    """Every row of a JSONL / Parquet traffic file (or glob) as a prompt to judge, grouped by its ``source``
-    (or ``domain``) field when it has one (else by the file's stem); at most ``per_source`` per group.
+    """Every row of a JSONL / Parquet traffic file (or glob) as prompts to judge, grouped by its ``source``
+    (or ``domain``) field when it has one (else by the file's stem); at most ``per_source`` rows per group.
 
-    Rows carry OpenAI-style ``messages`` (the prompt is everything up to the first user turn) or a ``prompt``
-    string. Rows that cannot be used are skipped and counted by reason (returned with the prompts).
+    Rows carry OpenAI-style ``messages`` (a prompt is everything up to a user turn: the first, the last or each,
+    by ``turns``, within the first ``max_turns``) or a ``prompt`` string. Rows that cannot be used are skipped and
+    counted by reason (returned with the prompts).
     """
 
     files = source_files("eval", SourceConfig(kind="jsonl", paths=[pattern]), key="eval.prompts")
@@ -79,20 +108,19 @@ def traffic_prompts(
                 raw = rec.get("messages")
                 if raw is None and isinstance(rec.get("prompt"), str):
                     raw = [{"role": "user", "content": rec["prompt"]}]
-                msgs = normalise_messages(raw, max_chars, 1)
+                msgs = normalise_messages(raw, max_chars, 1, max_turns if turns != "first" else None)
                 src = rec.get("source", rec.get("domain", f.stem))
                 src = str(src) if isinstance(src, str | int) and str(src) else f.stem
                 if counts.get(src, 0) >= per_source:
                     continue
-                first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
-                ids = prompt_ids(tokenizer, msgs[: first_user + 1])
-                if len(ids) > max_prompt_tokens:
+                mine = turn_prompts(tokenizer, src, str(rec.get("id", f"{f.name}:{n}")), msgs, turns, max_prompt_tokens)
+                if not mine:
                     raise Skip("prompt_too_long")
             except Skip as s:
                 skipped[s.reason] = skipped.get(s.reason, 0) + 1
                 continue
             counts[src] = counts.get(src, 0) + 1
-            prompts.append(Prompt(src, str(rec.get("id", f"{f.name}:{n}")), ids))
+            prompts.extend(mine)
     if skipped:
         logger.warning("eval.prompts=%s: skipped rows by reason: %s", pattern, skipped)
     if not prompts:

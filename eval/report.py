@@ -263,13 +263,32 @@ def temperature_table(metrics: dict[str, dict[str, Any]], sources: list[str], te
     return "\n".join(["tau by temperature (replay; sampled paths at T > 0):\n", *lines])
 
 
-def plot(metrics: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(metrics: dict[str, dict[str, Any]], path: Path, buckets: list[str] | None = None) -> None:
+    """Per-position acceptance and the acceptance-length histogram of each method (all sources); with ``buckets``
+    (the context-length labels, ``eval.context``) a third panel: tau with its interval against context length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if buckets else 2, figsize=(16 if buckets else 11, 4))
+    ax1, ax2 = axes[0], axes[1]
+    if buckets:
+        ax3 = axes[2]
+        for name, per in metrics.items():
+            by = per["all"].get("by_context") or {}
+            xs = [i for i, b in enumerate(buckets) if b in by]
+            if name == "plain" or not xs:
+                continue
+            taus = [by[buckets[i]]["tau"] for i in xs]
+            lo = [t - by[buckets[i]]["tau_ci"][0] for t, i in zip(taus, xs, strict=True)]
+            hi = [by[buckets[i]]["tau_ci"][1] - t for t, i in zip(taus, xs, strict=True)]
+            ax3.errorbar(xs, taus, yerr=[lo, hi], marker="o", capsize=3, label=name)
+        ax3.set_xticks(range(len(buckets)), buckets)
+        ax3.set(xlabel="context (prompt tokens)", ylabel="tau", title="acceptance by context length")
+        ax3.grid(alpha=0.3)
+        if ax3.get_legend_handles_labels()[0]:
+            ax3.legend(fontsize=7)
     for name, per in metrics.items():
         m = per["all"]
         if name == "plain" or not m["alpha"]:

@@ -29,15 +29,15 @@ from data.atomic import atomic_write_json, atomic_write_text
 from data.config import ConfigError, check_bounds
 from data.layout import BEST, MANIFEST, METRICS, PLOT, REPLAY, TABLE
 from data.manifest import write_manifest
-from data.render import prompt_ids
 from data.sources import SkipCounter
 from data.split import select
 from data.target import Target, load_target
 from data.tracking import Tracker
+from eval import context
 from eval.config import EvalRunConfig
 from eval.decoder import SpeculativeDecoder, plain_decode
 from eval.expected import ExpectedAcceptance, expected_acceptance
-from eval.heldout import Prompt, load_heldout, traffic_prompts
+from eval.heldout import Prompt, load_heldout, traffic_prompts, turn_prompts
 from eval.hf_baselines import hf_assisted_generate, hf_prompt_lookup_generate
 from eval.metrics import DecodeStats
 from eval.proposers import DraftModelProposer, PromptLookupProposer
@@ -245,19 +245,17 @@ def build_methods(cfg: EvalRunConfig, target: Target, load_drafter: DrafterLoade
 
 def select_prompts(cfg: EvalRunConfig, target: Target) -> list[Prompt]:
     """Held-out prompts: from the synth run's split, or straight from the configured data sources' split."""
-    if cfg.eval.prompts == "synth":
-        return load_heldout(cfg.synth_dir, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)
-    if cfg.eval.prompts != "data":
-        return traffic_prompts(cfg.eval.prompts, target.tokenizer, cfg.eval.num_prompts, cfg.data.max_prompt_tokens)[0]
+    e, tok, limit = cfg.eval, target.tokenizer, cfg.data.max_prompt_tokens
+    if e.prompts == "synth":
+        return load_heldout(cfg.synth_dir, tok, e.num_prompts, limit, str(e.turns))
+    if e.prompts != "data":
+        return traffic_prompts(e.prompts, tok, e.num_prompts, limit, turns=str(e.turns))[0]
 
     data = copy.deepcopy(cfg.data)
-    data.num_prompts, data.max_heldout = 0, cfg.eval.num_prompts
+    data.num_prompts, data.max_heldout = 0, e.num_prompts
     prompts: list[Prompt] = []
     for conv in select(data, SkipCounter()).heldout:
-        first = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
-        ids = prompt_ids(target.tokenizer, conv.messages[: first + 1])
-        if len(ids) <= cfg.data.max_prompt_tokens:
-            prompts.append(Prompt(conv.source, conv.id, ids))
+        prompts.extend(turn_prompts(tok, conv.source, conv.id, conv.messages, str(e.turns), limit))
     if not prompts:
         raise ValueError("no held-out prompts in the configured data sources (raise data.heldout_fraction?)")
     return prompts
@@ -267,6 +265,7 @@ def check_eval_config(e: Any) -> None:
     """Cheap value checks of the eval settings (before anything loads): each within its schema bounds
     (``EvalConfig.bounds``), and the combinations that cannot work."""
     check_bounds(e, "eval.")
+    context.check_buckets(e.context_buckets)
     if e.temperatures and e.mode == "decode":
         raise ConfigError(
             "eval.temperatures replays at each temperature: use eval.mode=replay or both (or drop eval.temperatures "
@@ -473,6 +472,11 @@ def run_eval(
                 a = acceptance(r.stats[src], r.per_prompt[src], e.bootstrap, e.seed, r.prompt_ids.get(src))
                 keep = ("tau", "tau_ci", "alpha", "prompts", "new_tokens_judged", "per_prompt")
                 metrics[name][src].setdefault("by_temperature", {})[f"{t:g}"] = {k: a[k] for k in keep}
+    for m in methods:  # tau by turn and by context length, from the sample that gave tau
+        judged = replayed.get(m.name) or decoded.get(m.name)
+        if judged is not None:
+            for src, groups in context.grouped(judged, prompts, e.context_buckets, e.bootstrap, e.seed).items():
+                metrics[m.name][src].update(groups)
     table = markdown_table(metrics, sources)
     if e.temperature > 0:
         table = (
@@ -481,6 +485,7 @@ def run_eval(
         )
     if by_temp:
         table += "\n\n" + temperature_table(metrics, sources, list(by_temp))
+    table += "\n\n" + context.context_table(metrics, sources, e.context_buckets)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         run_dir / METRICS,
@@ -493,7 +498,7 @@ def run_eval(
     )
     atomic_write_text(run_dir / TABLE, table + "\n")
     if e.plot:
-        plot(metrics, run_dir / PLOT)
+        plot(metrics, run_dir / PLOT, context.bucket_labels(e.context_buckets))
     write_manifest(
         run_dir / MANIFEST,
         "eval",
@@ -519,6 +524,7 @@ def run_eval(
                 for t, bt in (m.get("by_temperature") or {}).items():
                     flat[f"{name}/{src}/tau@T{t}"] = bt["tau"]
                     flat[f"{name}/{src}/tau_lo@T{t}"], flat[f"{name}/{src}/tau_hi@T{t}"] = bt["tau_ci"]
+        flat.update(context.flat(metrics))
         tracker.log(flat)
         if tracker.run is not None:
             import wandb

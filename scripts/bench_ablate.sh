@@ -48,6 +48,7 @@ for spec in "$BASE_NAME:" "$@"; do
     "${eval_ovr[@]}"
   runs+=("$R/$run")
 done
+mkdir -p "$BASE"  # with FEATURES_DIR set nothing else made it
 python3 - "$BASE/table.md" "${runs[@]}" <<'PY'
 import json, sys
 from pathlib import Path

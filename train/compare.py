@@ -113,6 +113,12 @@ def load_run(entry: str) -> dict[str, Any]:
                     "speedup": m.get("speedup"),
                     "per_prompt": m.get("per_prompt"),
                 }
+                for kind, tag in (("by_context", "ctx"), ("by_turn", "turn")):  # rows per bucket / turn, if several
+                    groups = m.get(kind) or {}
+                    for g_label, g in groups.items() if len(groups) > 1 else ():
+                        run["eval"].setdefault(label(method, temp), {})[f"{src} {tag} {g_label}"] = {
+                            k: g.get(k) for k in ("tau", "tau_ci", "prompts", "per_prompt")
+                        }
                 for t, bt in (m.get("by_temperature") or {}).items():  # eval.temperatures: one row per temperature
                     if float(t) != temp:
                         run["eval"].setdefault(label(method, float(t)), {})[src] = {
