@@ -146,3 +146,38 @@ def test_compare_states_each_runs_machine_time_and_plots_tau_against_it(tmp_path
     assert budget_hours({"train": {}, "synth": {"seconds": 5.0}}) is None
     plot([small, large], tmp_path / "compare.png")
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_compare_shows_context_buckets_and_turns_when_there_are_several(tmp_path: Path) -> None:
+    """eval.turns / eval.context_buckets: a bucket or turn is a row of its own (paired by prompt like the rest),
+    and only when a source has more than one of them."""
+    ids = [f"sharegpt:{i}" for i in range(4)]
+    runs = []
+    for name, emitted in (("a", 30), ("b", 33)):
+        pp = {"ids": ids, "emitted": [emitted] * 4, "steps": [20] * 4}
+        d = _eval_dir(tmp_path, name, emitted / 20, 1.4, 1.7, pp) / "eval"
+        metrics = json.loads((d / "metrics.json").read_text())
+        for m in metrics["metrics"]["eagle_chain_k5"].values():
+            short = {"ids": ids[:3], "emitted": [emitted] * 3, "steps": [20] * 3}
+            long = {"ids": ids[3:], "emitted": [emitted], "steps": [20]}
+            m["by_context"] = {
+                "<512": {"tau": emitted / 20, "tau_ci": [1.4, 1.7], "prompts": 3, "per_prompt": short},
+                "512-2k": {"tau": emitted / 20, "tau_ci": [emitted / 20] * 2, "prompts": 1, "per_prompt": long},
+            }
+            m["by_turn"] = {"1": {"tau": emitted / 20, "tau_ci": [1.4, 1.7], "prompts": 4, "per_prompt": pp}}
+        (d / "metrics.json").write_text(json.dumps(metrics))
+        runs.append(load_run(str(d.parent)))
+    assert set(runs[0]["eval"]["eagle_chain_k5"]) == {
+        "sharegpt",
+        "all",
+        "sharegpt ctx <512",
+        "sharegpt ctx 512-2k",
+        "all ctx <512",
+        "all ctx 512-2k",
+    }  # one turn: no turn rows
+    table = markdown(runs)
+    assert "| tau eagle_chain_k5 [all ctx 512-2k] | 1.50 [1.50, 1.50] | 1.65 [1.65, 1.65] |" in table
+    row = next(
+        line for line in table.splitlines() if line.startswith("| paired tau diff vs a: eagle_chain_k5 [all ctx <512]")
+    )
+    assert "+0.150 [+0.150, +0.150], 3 better / 0 worse of 3" in row
