@@ -249,7 +249,7 @@ def select_prompts(cfg: EvalRunConfig, target: Target) -> list[Prompt]:
     if e.prompts == "synth":
         return load_heldout(cfg.synth_dir, tok, e.num_prompts, limit, str(e.turns))
     if e.prompts != "data":
-        return traffic_prompts(e.prompts, tok, e.num_prompts, limit, turns=str(e.turns))[0]
+        return traffic_prompts(e.prompts, tok, e.num_prompts, limit, cfg.data.max_message_chars, str(e.turns))[0]
 
     data = copy.deepcopy(cfg.data)
     data.num_prompts, data.max_heldout = 0, e.num_prompts

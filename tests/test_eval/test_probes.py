@@ -19,3 +19,33 @@ def test_unseen_kinds_probe_loads_as_eight_kinds_of_five(target) -> None:
         assert len(p.input_ids) > 10
     assert kinds == dict.fromkeys(["math", "json", "translation", "sql_shell", "story", "email", "facts", "advice"], 5)
     assert len({p.id for p in prompts}) == 40
+
+
+LONG = PROBE.parent / "long_context.jsonl"
+
+
+def test_long_context_probe_is_the_stdlib_head_of_each_file_within_its_budget(target) -> None:
+    """``eval/probes/long_context.jsonl`` (scripts/build_long_probe.py): 24 prompts of 1k-6k tokens whose code is
+    the first lines of a real file of this interpreter's standard library, cut where the next line would pass the
+    budget; every prompt loads for eval.prompts within the target's window."""
+    import json
+    import sysconfig
+
+    from scripts.build_long_probe import ASK, build, head_within
+
+    prompts, skipped = traffic_prompts(str(LONG), target.tokenizer, 100, max_prompt_tokens=8192, max_chars=40000)
+    assert skipped == {} and len(prompts) == 24 and {p.source for p in prompts} == {"long_code"}
+    lengths = sorted(len(p.input_ids) for p in prompts)
+    assert lengths[0] >= 0.9 * 1024 and lengths[-1] <= 6144 and lengths[12] > 2048  # spread over the range
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for line in LONG.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        rel, span = row["id"].rsplit(":", 1)
+        n = int(span.split("-")[1])
+        lines = (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
+        assert row["messages"][0]["content"] == ASK + "".join(lines[:n])  # real text, not written here
+        assert n < len(lines)  # something is left to continue
+    # the builder: the longest head within a budget, and the same probe again from this interpreter
+    assert head_within(["a" * 10] * 5, 25, len) == 2 and head_within(["a"] * 3, 100, len) == 3
+    rebuilt = build(target.tokenizer, 24, 1024, 6144)
+    assert [json.dumps(r) for r in rebuilt] == LONG.read_text(encoding="utf-8").splitlines()
