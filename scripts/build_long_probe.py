@@ -7,8 +7,8 @@ Each row asks the target to continue a file of Python's own standard library (th
 from ``sysconfig``'s stdlib path): the first lines of the file, as many as fit a token budget, inside a user turn.
 Budgets are spread evenly over [min_tokens, max_tokens] (counted with the target's chat template), files are
 picked in a fixed pseudo-random order of their paths (sha256), so the same interpreter and target give the same
-probe. Rows carry ``source: long_code`` and the id ``<path relative to stdlib>:1-<last line>``; judge with
-``python -m train stage=eval eval.prompts=eval/probes/long_context.jsonl data.max_prompt_tokens=8192
+probe. Rows carry ``source: long_code``, the id ``<path relative to stdlib>:1-<last line>`` and the Python
+version; judge with ``python -m train stage=eval eval.prompts=eval/probes/long_context.jsonl data.max_prompt_tokens=8192
 data.max_message_chars=40000`` (a 6k-token file head is ~25k characters, over the default limit of a message).
 """
 
@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import logging
+import platform
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -77,7 +78,8 @@ def build(tokenizer: Any, rows: int, min_tokens: int, max_tokens: int, root: Pat
             if n == len(lines) or count(text) < 0.9 * budget:
                 continue  # the whole file fits (nothing to continue) or it is too short for this budget
             rel = path.relative_to(root).as_posix()
-            out.append({"id": f"{rel}:1-{n}", "source": "long_code", "messages": messages_for(text)})
+            row = {"id": f"{rel}:1-{n}", "source": "long_code", "python": platform.python_version()}
+            out.append({**row, "messages": messages_for(text)})
             break
     if len(out) < rows:
         raise SystemExit(f"only {len(out)} of {rows} stdlib files fit budgets up to {max_tokens} tokens")
