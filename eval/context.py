@@ -16,10 +16,8 @@ from data.config import ConfigError
 from data.tables import table
 from eval.heldout import Prompt
 from eval.metrics import DecodeStats
-from eval.report import Result, acceptance
+from eval.report import GROUP_FIGURES, Result, acceptance
 from eval.stats import describe_interval
-
-KEEP = ("tau", "tau_ci", "alpha", "prompts", "new_tokens_judged", "per_prompt")
 
 
 def _tokens(n: int) -> str:
@@ -70,7 +68,7 @@ def grouped(
                     continue
                 keys, group = [k for k, _ in by[label]], [s for _, s in by[label]]
                 a = acceptance(DecodeStats.merge_all(group), group, n_boot, seed, keys)
-                figures = {k: a[k] for k in KEEP}
+                figures = {k: a[k] for k in GROUP_FIGURES}
                 figures["mean_context_tokens"] = round(sum(len(known[k].input_ids) for k in keys) / len(keys), 1)
                 out[src][kind][label] = figures
     return out

@@ -39,11 +39,10 @@ def turn_prompts(
     first | last | all), rendered with the chat template; those over ``max_prompt_tokens`` are left out. The first
     turn keeps the conversation's id (caches and paired comparisons see the same prompt as before turns were
     judged); turn t > 1 is ``<id>#t<t>``."""
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    users = list(enumerate((i for i, m in enumerate(messages) if m["role"] == "user"), 1))  # (turn, index)
     chosen = {"first": users[:1], "last": users[-1:], "all": users}[str(turns)]
     out = []
-    for i in chosen:
-        t = users.index(i) + 1
+    for t, i in chosen:
         ids = prompt_ids(tokenizer, messages[: i + 1])
         if len(ids) <= max_prompt_tokens:
             out.append(Prompt(source, cid if t == 1 else f"{cid}#t{t}", ids, t))

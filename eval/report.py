@@ -129,6 +129,10 @@ _DECODE_ONLY = (
 )
 
 
+GROUP_FIGURES = ("tau", "tau_ci", "alpha", "prompts", "new_tokens_judged", "per_prompt")
+"""What :func:`acceptance` gives that a sub-table keeps (by temperature, by context length, by turn)."""
+
+
 def acceptance(
     stats: DecodeStats, per_prompt: list[DecodeStats], n_boot: int, seed: int, ids: list[str] | None = None
 ) -> dict[str, Any]:
@@ -265,7 +269,7 @@ def temperature_table(metrics: dict[str, dict[str, Any]], sources: list[str], te
 
 def plot(metrics: dict[str, dict[str, Any]], path: Path, buckets: list[str] | None = None) -> None:
     """Per-position acceptance and the acceptance-length histogram of each method (all sources); with ``buckets``
-    (the context-length labels, ``eval.context``) a third panel: tau with its interval against context length."""
+    (the context-length labels of ``eval.context_buckets``) a third panel: tau with its interval by context length."""
     import matplotlib
 
     matplotlib.use("Agg")

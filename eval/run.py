@@ -43,6 +43,7 @@ from eval.metrics import DecodeStats
 from eval.proposers import DraftModelProposer, PromptLookupProposer
 from eval.replay import replay_many
 from eval.report import (
+    GROUP_FIGURES,
     Result,
     acceptance,
     combine,
@@ -470,8 +471,7 @@ def run_eval(
         for name, r in res.items():
             for src in r.stats:
                 a = acceptance(r.stats[src], r.per_prompt[src], e.bootstrap, e.seed, r.prompt_ids.get(src))
-                keep = ("tau", "tau_ci", "alpha", "prompts", "new_tokens_judged", "per_prompt")
-                metrics[name][src].setdefault("by_temperature", {})[f"{t:g}"] = {k: a[k] for k in keep}
+                metrics[name][src].setdefault("by_temperature", {})[f"{t:g}"] = {k: a[k] for k in GROUP_FIGURES}
     for m in methods:  # tau by turn and by context length, from the sample that gave tau
         judged = replayed.get(m.name) or decoded.get(m.name)
         if judged is not None:
