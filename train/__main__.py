@@ -280,12 +280,21 @@ def preflight(argv: list[str]) -> None:
                 raise ConfigError(f"Unknown launcher {bad[0]!r}: valid launchers are {', '.join(LAUNCHERS)}")
 
 
+def env_threads() -> int:
+    """OMP_NUM_THREADS when it is set to a positive number (a SLURM job's --cpus-per-task, a shared machine's
+    share), else 0."""
+    try:
+        return max(0, int(os.environ.get("OMP_NUM_THREADS", "0")))
+    except ValueError:
+        return 0
+
+
 def setup_runtime(cfg: Config) -> None:
     import torch
 
     for noisy in ("accelerate.checkpointing", "accelerate.accelerator", "httpx", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    threads = cfg.runtime.num_threads or os.cpu_count() or 1
+    threads = cfg.runtime.num_threads or env_threads() or os.cpu_count() or 1
     torch.set_num_threads(threads)
     logger.debug("torch threads: %d; OpenMP wait: %s", threads, OMP_WAIT)
     if cfg.runtime.keep_freed_memory:

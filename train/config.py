@@ -231,10 +231,13 @@ class DeployConfig(Choices):
 
 @dataclass
 class RuntimeConfig:
-    bounds: ClassVar[dict[str, Bound]] = {"num_threads": at_least(0, "0: every core"), "log_every": at_least(1)}
+    bounds: ClassVar[dict[str, Bound]] = {
+        "num_threads": at_least(0, "0: OMP_NUM_THREADS, else every core"),
+        "log_every": at_least(1),
+    }
 
     num_threads: int = 0
-    """torch CPU threads (0: number of cores)."""
+    """torch CPU threads (0: OMP_NUM_THREADS if set, else the number of cores)."""
     log_every: int = 10
     keep_freed_memory: bool = True
     """Linux / glibc: serve large allocations from the heap and keep freed memory for reuse (``mallopt``:

@@ -115,8 +115,8 @@ FLAGS = ("drafter.norm_before_fc", "drafter.norm_before_residual", "drafter.norm
 
 @pytest.fixture(scope="module")
 def e3_features(synth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The target's layers 2/15/27 + last on the 12 synth rows, computed once (stage features) for both heads below:
-    120 steps on online features would run the target 120 times over (minutes on a 2-core machine)."""
+    """The target's layers 2/15/27 + last on the 12 synth rows, computed once (stage features) for every head trained
+    below: training on online features would run the target in every step (minutes on a 2-core machine)."""
     from tests.test_train.runs import ok, run_train
 
     feats = tmp_path_factory.mktemp("e3_features")
@@ -231,7 +231,7 @@ def check_deploy(drafter: Path, synth_dir: Path, out: Path, env: dict[str, str])
 
 FEATURE_TRAIN = [
     "stage=train",
-    "train.features=online",
+    "train.features=precomputed",
     "train.max_steps=60",
     "train.micro_batch_size=4",
     "train.lr=3e-3",
@@ -254,11 +254,19 @@ FEATURE_TRAIN = [
     ],
 )
 def test_vllm_parity_eagle1_and_medusa(
-    family: str, fmt: str, extra: list[str], synth_dir: Path, tmp_path: Path, run_env: dict[str, str]
+    family: str,
+    fmt: str,
+    extra: list[str],
+    synth_dir: Path,
+    e3_features: Path,
+    tmp_path: Path,
+    run_env: dict[str, str],
 ) -> None:
     """vLLM (method eagle / medusa) serving our vllm_eagle / vllm_medusa export counts exactly what our chain
     decoder counts, at every draft position, on the training rows' prompts (the heads have seen them: they accept
-    deep). Both formats exist because vLLM's loaders drop a bias they do not expect without a word: served from the
+    deep). The heads read the target's last layer, which EAGLE-3's precomputed features hold too: they train on
+    those (the training loop takes features that hold more layers than the drafter needs). Both formats exist
+    because vLLM's loaders drop a bias they do not expect without a word: served from the
     EAGLE repository's layout (fc bias) or the Medusa repository's (no ``medusa_fc_bias``, no LM head), these heads
     had 0 drafts accepted in vLLM against 76 / 103 in our decoder (2026-12-06)."""
     from tests.test_train.runs import ok, run_train
@@ -271,6 +279,7 @@ def test_vllm_parity_eagle1_and_medusa(
                 f"synth_dir={synth_dir}",
                 f"drafter={family}",
                 *FEATURE_TRAIN,
+                f"train.features_dir={e3_features}",
                 *extra,
                 f"hydra.run.dir={run}",
             ],

@@ -112,3 +112,26 @@ def test_cudnn_sdpa_switch_reaches_torch() -> None:
         assert torch.backends.cuda.cudnn_sdp_enabled() is True
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize(
+    ("env", "setting", "threads"), [("3", 0, 3), ("3", 2, 2), (None, 0, os.cpu_count()), ("x", 0, os.cpu_count())]
+)
+def test_torch_threads_follow_omp_num_threads_unless_set(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, setting: int, threads: int
+) -> None:
+    """``runtime.num_threads=0`` takes OMP_NUM_THREADS (a SLURM job's or a shared machine's share) when it is a
+    number, else every core; a number set in the config wins."""
+    from tests.conftest import compose
+    from train.__main__ import setup_runtime
+
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    before = torch.get_num_threads()
+    try:
+        setup_runtime(compose([f"runtime.num_threads={setting}", "runtime.keep_freed_memory=false"]))
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
