@@ -244,6 +244,7 @@ class Checkpointing:
             "steps": [int(seg["step0"]), self.step],
             "seconds": round(seconds, 2),
             "world_size": self.world,
+            "threads": torch.get_num_threads(),
         }
         return {
             "seconds": round(acct["seconds"] + seconds, 2),

@@ -246,6 +246,10 @@ class Trainer(Checkpointing):
             mixed_precision="bf16" if self.bf16 else "no",
             kwargs_handlers=[InitProcessGroupKwargs(backend="nccl" if cuda else "gloo")],
         )
+        if cfg.runtime.num_threads:
+            # accelerate sets torch's threads to the physical cores / local processes when OMP_NUM_THREADS is unset,
+            # over the thread count the user chose
+            torch.set_num_threads(cfg.runtime.num_threads)
         self.rank, self.world = self.acc.process_index, self.acc.num_processes
         self._rng_devices = [self.acc.device] if self.acc.device.type == "cuda" else []
         self.deepspeed = self.acc.distributed_type == DistributedType.DEEPSPEED

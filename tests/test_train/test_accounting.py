@@ -1,5 +1,6 @@
 """Time, tokens and budget add up across resumes and reruns (the machine-hours a preempted, requeued run really
-cost): training resumed from a checkpoint counts the segment before it; resuming a finished run keeps its time and
+cost): training resumed from a checkpoint counts the segment before it, each with the torch threads it ran
+(``runtime.num_threads``, kept over accelerate's own choice); resuming a finished run keeps its time and
 throughput; a synth rerun adds to the stage's seconds instead of replacing them. A tiny target keeps it to seconds.
 """
 
@@ -43,13 +44,16 @@ def test_time_and_tokens_accumulate_across_resumes_and_reruns(tmp_path: Path, ru
     train = tmp_path / "train"
     args = [*base, "stage=train", f"synth_dir={synth}", "train.features=online", "train.save_every=3"]
     args += ["train.max_steps=6", "train.eval_prompts=1", "train.eval_max_new_tokens=4", f"hydra.run.dir={train}"]
-    _run([*args, "train.stop_after_steps=3"], run_env)  # a job stopped at step 3 (as a preempted one checkpoints)
+    args.append("runtime.num_threads=3")  # a count no machine's cores / processes gives by chance
+    no_omp = {k: v for k, v in run_env.items() if k != "OMP_NUM_THREADS"}  # accelerate then sets its own count
+    _run([*args, "train.stop_after_steps=3"], no_omp)  # a job stopped at step 3 (as a preempted one checkpoints)
     part = json.loads((train / "manifest.json").read_text())["result"]
     assert not part["finished"] and [s["steps"] for s in part["segments"]] == [[0, 3]]
     _run([*args, "resume=true"], run_env)
     whole = json.loads((train / "manifest.json").read_text())["result"]
     assert whole["finished"] and [s["steps"] for s in whole["segments"]] == [[0, 3], [3, 6]]
     segs = whole["segments"]
+    assert [s["threads"] for s in segs] == [3, 3]  # the threads the user set, recorded per segment
     assert abs(whole["seconds"] - sum(s["seconds"] for s in segs)) < 0.05
     assert segs[0]["seconds"] > 0 and whole["seconds"] > whole["seconds_this_process"]
     assert whole["train_tokens_per_second"] > 0
