@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 """One torch thread per process: the suite runs two pytest workers on CI's two cores, and every ``python -m train``
 they start honours OMP_NUM_THREADS (``runtime.num_threads=0``), so the cores are not oversubscribed (the training
-tests ran 6% faster than with two threads each, side by side on a 2-core machine)."""
+tests ran 6% faster than with two threads each, one run after the other on a 2-core machine)."""
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
