@@ -417,6 +417,33 @@ def load_train_prompts(synth_dir: str | Path, per_source: int, max_prompt_tokens
     return prompts
 
 
+def file_prompts(pattern: str, tokenizer: Any, per_source: int, args: argparse.Namespace) -> list[Any]:
+    """``--prompts``: the first ``per_source`` prompts per source of a traffic file (JSONL / Parquet with ``messages``
+    or ``prompt``, as ``eval.prompts`` reads it, e.g. ``eval/probes/long_context.jsonl``) whose length lies in
+    ``[--min-prompt-tokens, --max-prompt-tokens]``: the long-context parity check."""
+    from eval.heldout import traffic_prompts
+
+    found, _ = traffic_prompts(pattern, tokenizer, 1 << 30, args.max_prompt_tokens, args.max_message_chars)
+    counts: dict[str, int] = {}
+    chosen = []
+    for p in found:
+        if len(p.input_ids) >= args.min_prompt_tokens and counts.get(p.source, 0) < per_source:
+            counts[p.source] = counts.get(p.source, 0) + 1
+            chosen.append(p)
+    if not chosen:
+        raise SystemExit(
+            f"--prompts {pattern}: no prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens "
+            f"({len(found)} within --max-prompt-tokens)"
+        )
+    return chosen
+
+
+def engine_max_len(prompts: list[Any], max_new_tokens: int, k: int) -> int:
+    """The engine's ``max_model_len``: the longest prompt, the tokens decoded and a draft's lookahead, at least 2,048
+    (vLLM refuses a request that does not fit)."""
+    return max(2048, max(len(p.input_ids) for p in prompts) + max_new_tokens + k + 16)
+
+
 def synth_target_path(synth_dir: str) -> str | None:
     """The target the synth run decoded with (its manifest's ``target.path``; None: the embedded default)."""
     manifest = Path(synth_dir) / "manifest.json"
@@ -445,10 +472,16 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
     target = load_target(
         TargetConfig(name=target_path or "smollm2-135m", path=target_path, device="cpu", dtype="float32")
     )
-    if args.split == "train":
+    if args.split == "none":
+        prompts = []
+    elif args.split == "train":
         prompts = load_train_prompts(args.synth_dir, args.num_prompts, args.max_prompt_tokens)
     else:
         prompts = load_heldout(args.synth_dir, target.tokenizer, args.num_prompts, args.max_prompt_tokens)
+    if args.prompts:
+        prompts += file_prompts(args.prompts, target.tokenizer, args.num_prompts, args)
+    if not prompts:
+        raise SystemExit("no prompts to judge: --split none needs --prompts")
     method: str | None = args.method
     if args.drafter:
         if args.export_dir:
@@ -511,6 +544,8 @@ def main_side(args: argparse.Namespace) -> dict[str, Any]:
             str(args.max_new_tokens),
             "--out",
             str(eng_out),
+            "--max-model-len",
+            str(engine_max_len(prompts, args.max_new_tokens, k)),
             *(["--method", method] if method else []),
             *(["--temperature", str(args.temperature), "--top-p", str(args.top_p)] if sampled else []),
             *(["--samples", str(args.samples)] if sampled else []),
@@ -595,13 +630,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per source")
     ap.add_argument(
         "--split",
-        choices=["heldout", "train"],
+        choices=["heldout", "train", "none"],
         default="heldout",
         help="held-out prompts (acceptance figures), or training rows' prompts (an engine check with a drafter "
-        "that has seen them: deep acceptance exercises every position)",
+        "that has seen them: deep acceptance exercises every position), or none (only --prompts)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument(
+        "--prompts",
+        default=None,
+        help="a traffic file (JSONL/Parquet with messages or prompt, e.g. eval/probes/long_context.jsonl): its "
+        "prompts are judged too (after the split's), --num-prompts per source; --split none: only these",
+    )
+    ap.add_argument("--min-prompt-tokens", type=int, default=0, help="--prompts: shortest prompt kept")
+    ap.add_argument("--max-message-chars", type=int, default=40000, help="--prompts: longest message kept")
     ap.add_argument(
         "--temperature",
         type=float,

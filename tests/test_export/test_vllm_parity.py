@@ -111,6 +111,7 @@ E3_TRAIN = [
 
 
 FLAGS = ("drafter.norm_before_fc", "drafter.norm_before_residual", "drafter.norm_output")
+LONG_PROBE = REPO / "eval" / "probes" / "long_context.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,9 @@ def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, 
     the head then accepts deep into its drafts, so the counts at every draft position (which go through the
     head's own hidden states, TTT's inference side) are compared, not just the first. Not an acceptance figure:
     held-out parity of a trained head is in BENCHMARKS.md (1.3034 on both sides). ``norms``: a head trained with
-    speculators' three optional norms (the default; its config flags tell vLLM the same math), else without."""
+    speculators' three optional norms (the default; its config flags tell vLLM the same math), else without; that
+    head also serves a 2k-4k-token prompt of the long-context probe in the same engine (not learnt: few drafts are
+    accepted there, but the tokens and every count must still agree at positions past 2k)."""
     from tests.test_train.runs import ok, run_train
 
     run = tmp_path / "e3"
@@ -147,11 +150,19 @@ def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, 
     d2t = load_file(str(run / "best" / "model.safetensors"))["d2t"]
     assert int(d2t.abs().max()) > 1000  # the draft ids are spread over the vocabulary
     out = tmp_path / "parity"
-    _parity(run / "best", synth_dir, out, "--split", "train")
+    # with the norms: one long prompt too (a 2k-4k-token file head of the long-context probe), in the same engine
+    long = ["--prompts", str(LONG_PROBE), "--min-prompt-tokens", "2048", "--max-prompt-tokens", "4096"] if norms else []
+    _parity(run / "best", synth_dir, out, "--split", "train", *long)
     parity = json.loads((out / "parity.json").read_text())
     assert parity["method"] == "eagle3" and parity["split"] == "train"
     run_ = parity["runs"][0]
     assert run_["tokens_identical"] == run_["prompts"], run_["per_prompt"]
+    if norms:  # the long prompt was served and compared on its own: same tokens, same counts at 2k+ positions
+        lengths = {p["id"]: len(p["input_ids"]) for p in json.loads((out / "prompts.json").read_text())}
+        row = next(r for r in run_["per_prompt"] if r["id"].startswith("long_code:"))
+        assert lengths[row["id"].split(":", 1)[1]] >= 2048 and row["len_vllm"] == 24, row
+        assert row["tokens_identical"] and row["vllm_drafts"] == row["ours_steps"] > 0, row
+        assert row["vllm_accepted"] == row["ours_accepted_engine"], row
     assert all(n > 0 for n in run_["accepted_per_pos_ours_engine"]), run_  # every draft position is exercised
     assert run_["steps_ours"] == run_["drafts_vllm"]
     assert run_["accepted_ours_engine"] == run_["accepted_vllm"]
