@@ -42,14 +42,18 @@ class SharedPast:
     private_mask: torch.Tensor
 
 
-def shared_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: SharedPast) -> torch.Tensor:
-    """Softmax attention of ``q`` ``[B, H, T, d]`` over ``past``'s committed keys and ``past.private_* + k/v``."""
+def shared_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: SharedPast, window: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Softmax attention of ``q`` ``[B, H, T, d]`` over ``past``'s committed keys and ``past.private_* + k/v``;
+    ``window`` (bool ``[B or 1, T, S]``): which committed keys each query may also see (a sliding window)."""
     B, H, T, d = q.shape
     n_kv = k.shape[1]
     rep = H // n_kv
-    qg = q.reshape(B, n_kv, rep * T, d) * (1.0 / math.sqrt(d))  # head h uses kv head h // rep
+    qg = q.reshape(B, n_kv, rep * T, d) * (1.0 / math.sqrt(d))  # head h uses kv head h // rep: row r * T + t
     s1 = torch.matmul(qg, past.k.transpose(-1, -2))  # [B, n_kv, rep*T, S]
-    s1 = s1.masked_fill(~past.visible, float("-inf"))
+    visible = past.visible if window is None else past.visible & window[:, None].repeat(1, 1, rep, 1)
+    s1 = s1.masked_fill(~visible, float("-inf"))
     s2 = torch.matmul(qg, k.transpose(-1, -2)).view(B, n_kv, rep, T, -1)
     s2 = s2.masked_fill(~past.private_mask[:, :, None], float("-inf")).view(B, n_kv, rep * T, -1)
     p = torch.softmax(torch.cat([s1, s2], dim=-1), dim=-1)

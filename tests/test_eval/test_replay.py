@@ -34,6 +34,13 @@ FAMILY_KW = {
     "medusa": {"num_heads": 4},
     "standalone": {"num_layers": 2, "gradient_checkpointing": False},
     "dflash": {"draft_vocab_size": 2048, "block_size": 5, "anchors_per_row": 64, "loss_gamma": 1.0},
+    # a sliding window shorter than the prompts: every draft sees only the last 12 positions, in decode and replay
+    "eagle3_window": {
+        "draft_vocab_size": 2048,
+        "sliding_window": 12,
+        **ANSWERS_ONLY,
+        **dict.fromkeys(NORM_FLAGS, False),
+    },
 }
 FIT_STEPS = {"dflash": 80}
 DEPTH = {"dflash": 2}
@@ -113,7 +120,7 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
 
     prompts, conts = traffic
     eos = target.tokenizer.eos_token_id
-    spec = registry.get(family)
+    spec = registry.get(family.removesuffix("_window"))
     base = {"chain_k": 4, "tree_depth": 4, "tree_top_k": 3, "tree_total_tokens": 10, **FAMILY_KW[family]}
     module = _fit(spec, spec.config_cls(**base), target, prompts, conts, FIT_STEPS.get(family, 40))
     deepest = 0
@@ -138,7 +145,7 @@ def test_replay_equals_decode_for_every_family_chain_and_tree(target, traffic, f
     # (their replayer); the other families run in lockstep lanes (eval/lanes.py), linear layers batched across
     # them. lanes=2 < 3 prompts: a finished prompt's slot is refilled, and the live slots stop being 0..n-1.
     prop_of = {m: spec.proposer(module, target.model, spec.config_cls(decode=m, **base)) for m in ("chain", "tree")}
-    batched = family in ("eagle", "eagle3")
+    batched = spec.name in ("eagle", "eagle3")
     assert (prop_of["tree"].replayer(2, 64) is not None) == batched
     held = [Prompt("t", str(i), p) for i, p in enumerate(prompts)]
     # the first run stores the traces, the second reads them back from disk (no target forward)

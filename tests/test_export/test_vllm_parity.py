@@ -112,6 +112,8 @@ E3_TRAIN = [
 
 FLAGS = ("drafter.norm_before_fc", "drafter.norm_before_residual", "drafter.norm_output")
 LONG_PROBE = REPO / "eval" / "probes" / "long_context.jsonl"
+WINDOW = 24
+"""The normed head's sliding window: shorter than every parity prompt, so vLLM must apply it to match our counts."""
 
 
 @pytest.fixture(scope="module")
@@ -137,16 +139,20 @@ def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, 
     the head then accepts deep into its drafts, so the counts at every draft position (which go through the
     head's own hidden states, TTT's inference side) are compared, not just the first. Not an acceptance figure:
     held-out parity of a trained head is in BENCHMARKS.md (1.3034 on both sides). ``norms``: a head trained with
-    speculators' three optional norms (the default; its config flags tell vLLM the same math), else without; that
-    head also serves a 2k-4k-token prompt of the long-context probe in the same engine (not learnt: few drafts are
-    accepted there, but the tokens and every count must still agree at positions past 2k)."""
+    speculators' three optional norms (the default; its config flags tell vLLM the same math), else without. The
+    normed head is trained and served with a sliding window of 24 positions (speculators' ``sliding_attention``
+    layer type, which vLLM's Llama layer reads), shorter than every prompt, and also serves a 2k-4k-token prompt
+    of the long-context probe in the same engine (not learnt: few drafts are accepted there, but the tokens and
+    every count must still agree at positions past 2k)."""
     from tests.test_train.runs import ok, run_train
 
     run = tmp_path / "e3"
     extra = [f"{f}={str(norms).lower()}" for f in FLAGS]
+    extra += [f"drafter.sliding_window={WINDOW}"] if norms else []
     feats = f"train.features_dir={e3_features}"
     ok(run_train([*SMALL_SYNTH, f"synth_dir={synth_dir}", *E3_TRAIN, feats, *extra, f"hydra.run.dir={run}"], run_env))
-    assert json.loads((run / "best" / "config.json").read_text())["draftsmith"]["drafter"]["norm_output"] is norms
+    saved = json.loads((run / "best" / "config.json").read_text())["draftsmith"]["drafter"]
+    assert saved["norm_output"] is norms and saved["sliding_window"] == (WINDOW if norms else None)
     d2t = load_file(str(run / "best" / "model.safetensors"))["d2t"]
     assert int(d2t.abs().max()) > 1000  # the draft ids are spread over the vocabulary
     out = tmp_path / "parity"
@@ -155,6 +161,10 @@ def test_vllm_parity_eagle3(synth_dir: Path, e3_features: Path, tmp_path: Path, 
     _parity(run / "best", synth_dir, out, "--split", "train", *long)
     parity = json.loads((out / "parity.json").read_text())
     assert parity["method"] == "eagle3" and parity["split"] == "train"
+    layer = json.loads((out / "export_speculators" / "config.json").read_text())["transformer_layer_config"]
+    assert (layer["layer_types"], layer["sliding_window"]) == (
+        (["sliding_attention"], WINDOW) if norms else (["full_attention"], 2048)
+    )
     run_ = parity["runs"][0]
     assert run_["tokens_identical"] == run_["prompts"], run_["per_prompt"]
     if norms:  # the long prompt was served and compared on its own: same tokens, same counts at 2k+ positions

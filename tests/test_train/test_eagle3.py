@@ -81,14 +81,18 @@ def test_a_head_saved_before_a_key_existed_loads_with_what_it_was_trained_with(t
     assert loaded.input_norm is not None and dcfg.norm_output and dcfg.feature_noise == 0.3
 
 
-@pytest.mark.parametrize("norms", [False, True])
-def test_ttt_step_equals_inference_drafting(target, norms: bool) -> None:
+@pytest.mark.parametrize(
+    ("norms", "window"), [(False, None), (True, None), (True, 6)], ids=["plain", "norms", "window"]
+)
+def test_ttt_step_equals_inference_drafting(target, norms: bool, window: int | None) -> None:
     """Entry t of TTT step 1 must be exactly what the head computes when it drafts one token after committing
     rows 0..t at inference (own feature, own key at position t+1, the committed keys at positions <= t); with
-    speculators' three optional norms too."""
+    speculators' three optional norms too, and with a sliding window of 6 (training's TTT masks and inference's
+    cache then both see only the keys within 6 positions of each query)."""
     from train.drafters.eagle3 import ttt_mask
 
-    _, _, head = _head(target, draft_vocab_size=1024, **dict.fromkeys(NORM_FLAGS, norms))
+    _, _, head = _head(target, draft_vocab_size=1024, sliding_window=window, **dict.fromkeys(NORM_FLAGS, norms))
+    assert head.midlayer.self_attn.window == window
     assert (head.input_norm is not None) == norms and head.midlayer.norm_before_residual == norms
     ids = target.tokenizer("def add(a, b):\n    return a + b\n\nprint(add(2, 3))", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -109,6 +113,13 @@ def test_ttt_step_equals_inference_drafting(target, norms: bool) -> None:
             assert torch.allclose(c[0, -1], h0[0, t], atol=1e-4 * scale)
             assert torch.allclose(d1[0, 0], h1[0, t], atol=1e-4 * scale)
             assert torch.allclose(d2[0, 0], h2[0, t], atol=1e-4 * h2[0, t].abs().max())
+    if window is not None:  # the window is in force: without it the same weights give other states far in
+        head.midlayer.self_attn.window = None
+        with torch.no_grad():
+            full, _ = head(fused[:, :T], ids[:, 1:], pos, mask=ttt_mask(T, 0, "cpu")[None, None])
+        head.midlayer.self_attn.window = window
+        assert torch.allclose(full[0, : window - 1], h0[0, : window - 1], atol=1e-5)  # within reach: the same
+        assert not torch.allclose(full[0, T - 4], h0[0, T - 4], atol=1e-3)
     # and a wrong mask (step 1 seeing step 0's keys of *later* entries) gives something else
     bad = torch.ones(T, 2 * T, dtype=torch.bool)
     with torch.no_grad():
@@ -414,12 +425,15 @@ def test_loss_all_positions_also_trains_where_the_target_top_is_outside_the_draf
     assert coverage < 1.0 and counted[True] == need > counted[False] > 0, (counted, need, coverage)
 
 
-@pytest.mark.parametrize("loss_all_positions", [False, True])
-def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_all_positions: bool) -> None:
+@pytest.mark.parametrize(("loss_all_positions", "window"), [(False, None), (True, None), (True, 5)])
+def test_unrolling_only_the_needed_entries_equals_the_full_unroll(
+    target, loss_all_positions: bool, window: int | None
+) -> None:
     """Training unrolls TTT steps only for entries whose chain reaches a target-written token; prompt positions
     give step 0's keys/values only. Loss, every metric and every gradient must equal the full unroll's, on two
     real rows of different prompt lengths with right padding (so the selected entries differ per row), and the
-    draft-vocabulary-only teacher projection (``loss_all_positions``) must equal slicing the full one."""
+    draft-vocabulary-only teacher projection (``loss_all_positions``) must equal slicing the full one; with a
+    sliding window too (the selected queries' positions limit their keys)."""
     from train.batches import Row
     from train.drafters.eagle3 import loss_fn
     from train.drafters.layers import lm_head_rows
@@ -443,7 +457,9 @@ def test_unrolling_only_the_needed_entries_equals_the_full_unroll(target, loss_a
         hs = target.model(input_ids=ids, attention_mask=am, output_hidden_states=True).hidden_states
     feats = TargetFeatures({i: hs[i] for i in (2, 15, 27, 30)}, 30, target.model.get_output_embeddings())
     batch = TrainBatch(ids, am, lm)
-    spec, cfg, head = _head(target, draft_vocab_size=64, ttt_steps=3, loss_all_positions=loss_all_positions)
+    spec, cfg, head = _head(
+        target, draft_vocab_size=64, ttt_steps=3, loss_all_positions=loss_all_positions, sliding_window=window
+    )
     spec.prepare(head, [Row(e, m[: len(e)].tolist()) for e, m in zip(enc, lm, strict=True)], cfg, target.model)
     head.train()
     runs = {}

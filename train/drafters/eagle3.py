@@ -46,6 +46,7 @@ from train.drafters.layers import (
     KV,
     DraftAttention,
     acceptance_loss,
+    check_window,
     draft_layer_config,
     gather_rows,
     lm_head_rows,
@@ -89,6 +90,7 @@ class Eagle3Config(Choices):
         "dropout": between(0, 1, hi_open=True),
         "teacher_temperature": above(0),
         "lk_eta": above(0),
+        "sliding_window": at_least(2, "or null: full attention"),
         **DRAFT_SHAPE_BOUNDS,
     }
 
@@ -167,6 +169,13 @@ class Eagle3Config(Choices):
     norm_output: bool = True
     """Feed ``norm(h')`` back as the next step's feature (and take logits from it) instead of the pre-norm
     ``h'`` (speculators' trainer default: keeps the feature's magnitude from drifting over the steps)."""
+    sliding_window: int | None = None
+    """The draft layer attends only to the last ``sliding_window`` positions (itself included), in training, in
+    every decoder and in the exports (speculators' ``transformer_layer_config.sliding_window`` with a
+    ``sliding_attention`` layer type, which vLLM serves); None = the whole context. A head trained on rows no longer
+    than the window is the same head either way, so the window can be set on it at eval or export time: it keeps the
+    draft's attention within the distances it was trained on when contexts grow longer (BENCHMARKS). Must be longer
+    than any draft (``ttt_steps``, ``chain_k``, ``tree_depth``)."""
     decode: Decode = Decode.tree
     """How the eval decoder drafts with this head: tree (EAGLE-2 dynamic tree) | chain."""
     chain_k: int = 5
@@ -210,13 +219,15 @@ class Eagle3Layer(nn.Module):
         past: KV | SharedPast | None = None,
         mask: torch.Tensor | None = None,
         queries: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
-        """``queries`` (``[B, Q]``): every position gives keys/values, only these an output (see DraftAttention)."""
+        """``queries`` (``[B, Q]``): every position gives keys/values, only these an output; ``positions``: the T
+        positions, for a sliding window (see DraftAttention)."""
         hn = self.hidden_norm(h)
         if self.norm_before_residual:
             h = hn
         x = torch.cat([self.input_layernorm(emb), hn], dim=-1)
-        a, kv = self.self_attn(x, cos, sin, past, mask, queries)
+        a, kv = self.self_attn(x, cos, sin, past, mask, queries, positions)
         if queries is not None:
             h = gather_rows(h, queries)
         p = self.dropout if self.training else 0.0
@@ -238,7 +249,12 @@ def norm_flags(cfg: Any) -> dict[str, bool]:
 
 class Eagle3Head(DraftVocab, nn.Module):
     def __init__(
-        self, target_config: Any, layer_ids: list[int], draft_vocab_size: int, norms: dict[str, bool] | None = None
+        self,
+        target_config: Any,
+        layer_ids: list[int],
+        draft_vocab_size: int,
+        norms: dict[str, bool] | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         config = draft_layer_config(target_config)  # a Llama layer of the target's dimensions, any architecture
@@ -262,6 +278,7 @@ class Eagle3Head(DraftVocab, nn.Module):
         t2d[:draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.rotary = LlamaRotaryEmbedding(config)
+        self.midlayer.self_attn.window = None if window is None else int(window)
 
     def forward(
         self,
@@ -281,7 +298,7 @@ class Eagle3Head(DraftVocab, nn.Module):
             h = features
         emb = self.embed_tokens(next_ids).to(h.dtype)
         cos, sin = self.rotary(h, position_ids)
-        out, kv = self.midlayer(emb, h, cos, sin, None if past is None else past[0], mask, queries)
+        out, kv = self.midlayer(emb, h, cos, sin, None if past is None else past[0], mask, queries, position_ids)
         if self.norms["norm_output"]:
             out = self.norm(out)
         return out, [kv]
@@ -363,8 +380,9 @@ def build(cfg: Eagle3Config, target: Any) -> Eagle3Head:
         raise ConfigError(f"drafter.dropout={cfg.dropout} must be in [0, 1)")
     if not cfg.feature_loss >= 0:
         raise ConfigError(f"drafter.feature_loss={cfg.feature_loss} must be >= 0")
+    check_window(cfg.sliding_window, cfg.ttt_steps, "drafter.sliding_window")
     vd = draft_vocab(cfg, tcfg)
-    head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(cfg))
+    head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(cfg), cfg.sliding_window)
     head.midlayer.dropout = float(cfg.dropout)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
@@ -560,7 +578,8 @@ def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3
     path, meta, state, tcfg = saved.path, saved.meta, saved.state, target.config
     vd = check_saved_vocab(state, meta, saved.recorded.get("d2t_hash"), tcfg.vocab_size, f"EAGLE-3 checkpoint {path}")
     layer_ids = saved.recorded.get("layer_ids") or resolve_layer_ids(saved.cfg, tcfg)
-    head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(saved.cfg))
+    window = saved.cfg.sliding_window if cfg is None else cfg.sliding_window
+    head = Eagle3Head(tcfg, layer_ids, vd, norm_flags(saved.cfg), window)
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().float()
     load_state(head, state, f"EAGLE-3 checkpoint {path}")
     return head.to(next(target.parameters()).dtype).eval()
@@ -568,6 +587,8 @@ def load(directory: str, target: Any, cfg: Eagle3Config | None = None) -> Eagle3
 
 def make_proposer(head: nn.Module, target: Any, cfg: Eagle3Config) -> Any:
     assert isinstance(head, Eagle3Head)
+    window = head.midlayer.self_attn.window
+    check_window(window, max(int(cfg.chain_k), int(cfg.tree_depth)), "drafter.sliding_window")
     layer_ids = head.layer_ids
     feature_fn = fused_features(layer_ids, target.config.num_hidden_layers)
     return FeatureHeadProposer(

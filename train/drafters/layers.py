@@ -16,6 +16,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, rotate_half
 
+from data.config import ConfigError
 from data.modeling import text_config
 from eval.shared_past import SharedPast, shared_attention
 
@@ -102,6 +103,19 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=bias)
+        self.window: int | None = None
+        """Sliding-window attention (``sliding_window`` of a Llama config): a query at position ``p`` sees only the keys
+        at positions above ``p - window``; None = every key. Applied where the caller passes the queries'
+        ``positions``. The committed keys (a plain past's first entries, a :class:`SharedPast`'s shared part, step 0
+        of a TTT unroll) sit at the index of their position; draft entries appended after them are positions
+        within a draft's length of the query, which callers keep below the window (:func:`check_window`), so
+        comparing key *indices* with query positions is exact."""
+
+    def _in_window(self, positions: torch.Tensor | None, keys: int, device: torch.device) -> torch.Tensor | None:
+        """``[B or 1, T, keys]`` bool: which key indices each query may see under the window (None: no window)."""
+        if self.window is None or positions is None:
+            return None
+        return torch.arange(keys, device=device)[None, None, :] > positions[:, :, None] - int(self.window)
 
     def forward(
         self,
@@ -111,12 +125,15 @@ class DraftAttention(nn.Module):
         past: KV | SharedPast | None = None,
         mask: torch.Tensor | None = None,
         queries: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """x: ``[B, T, in]``; mask: bool ``[B or 1, 1, T, S_past + T]`` (True = attend) or None = causal.
 
         ``queries`` (``[B, Q]`` indices into the T positions): keys and values for all T positions, queries (and
         the output, ``[B, Q, hidden]``) only for those; ``mask`` is then ``[B, 1, Q, S_past + T]`` and required.
         Training uses it where only some positions' outputs are needed (the rest serve as context).
+        ``positions`` (``[B or 1, T]``, the T positions' indices): with :attr:`window` set, each query's keys are
+        limited to the window.
 
         Returns the output ``[B, T or Q, hidden]`` and the keys/values of the past plus these T positions (with a
         :class:`SharedPast`: its private part plus these positions; ``mask`` is then unused).
@@ -137,11 +154,13 @@ class DraftAttention(nn.Module):
             q = self.q_proj(x_q).view(B, Q, self.n_heads, self.head_dim).transpose(1, 2)
             q = q * cos_q.unsqueeze(1) + rotate_half(q) * sin_q.unsqueeze(1)
             k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        if queries is not None and positions is not None:
+            positions = gather_rows(positions.expand(B, -1), queries)
         if isinstance(past, SharedPast):
             if past.private_k is not None and past.private_v is not None:
                 k = torch.cat([past.private_k, k], dim=2)
                 v = torch.cat([past.private_v, v], dim=2)
-            out = shared_attention(q, k, v, past)
+            out = shared_attention(q, k, v, past, self._in_window(positions, past.k.shape[2], x.device))
             out = out.transpose(1, 2).reshape(B, q.shape[2], self.n_heads * self.head_dim)
             return self.o_proj(out), (k, v)
         if past is not None:
@@ -150,17 +169,31 @@ class DraftAttention(nn.Module):
         rep = self.n_heads // self.n_kv
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        if mask is None:
-            S = k.shape[2]
+        S = k.shape[2]
+        window = self._in_window(positions, S, x.device)
+        if mask is None and window is None:
             if S == T:
                 out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
             else:  # causal over new positions, full over the past
                 causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
                 out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=causal)
         else:
-            out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+            if mask is None:  # causal over new positions, full over the past
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)[None, None]
+            out = F.scaled_dot_product_attention(
+                q, kr, vr, attn_mask=mask if window is None else mask & window[:, None]
+            )
         out = out.transpose(1, 2).reshape(B, q.shape[2], self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v)
+
+
+def check_window(window: int | None, longest_draft: int, what: str) -> None:
+    """Refuse a sliding window a draft could outgrow: draft entries are compared with the window by index, which is
+    exact only while every draft (a TTT unroll, a chain, a tree's depth) stays shorter than the window."""
+    if window is not None and not int(window) > longest_draft:
+        raise ConfigError(
+            f"{what}={window}: the sliding window must be longer than the longest draft ({longest_draft})"
+        )
 
 
 def noise_features(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -172,9 +172,17 @@ def spec_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
     return weights
 
 
-def _layer_config(tcfg: Any) -> dict[str, Any]:
-    """``transformer_layer_config``: the keys speculators 0.9 writes for a Llama draft layer (full attention), from
-    the draft layer config derived from the target's dimensions (any architecture)."""
+def _window(src: Source) -> int | None:
+    """The head's sliding window (``drafter.sliding_window``), None for full attention."""
+    return _head(src).midlayer.self_attn.window
+
+
+def _layer_config(tcfg: Any, window: int | None = None) -> dict[str, Any]:
+    """``transformer_layer_config``: the keys speculators 0.9 writes for a Llama draft layer, from the draft layer
+    config derived from the target's dimensions (any architecture). Full attention as speculators writes it
+    (``layer_types: [full_attention]``, its default 2,048 in ``sliding_window``, unused), or with ``window`` a
+    ``sliding_attention`` layer of that window: what speculators writes for its windowed layers and what vLLM's
+    Llama layer reads (``layer_types`` + ``sliding_window``)."""
     tcfg = draft_layer_config(tcfg)
     conf = tcfg.to_dict()
     rope = conf.get("rope_parameters") or {"rope_theta": conf.get("rope_theta", 10000.0), "rope_type": "default"}
@@ -188,7 +196,7 @@ def _layer_config(tcfg: Any) -> dict[str, Any]:
         "hidden_size": tcfg.hidden_size,
         "initializer_range": conf.get("initializer_range", 0.02),
         "intermediate_size": tcfg.intermediate_size,
-        "layer_types": ["full_attention"],
+        "layer_types": ["full_attention" if window is None else "sliding_attention"],
         "max_position_embeddings": conf.get("max_position_embeddings"),
         "mlp_bias": bool(conf.get("mlp_bias", False)),
         "model_type": "llama",
@@ -199,10 +207,10 @@ def _layer_config(tcfg: Any) -> dict[str, Any]:
         "pretraining_tp": conf.get("pretraining_tp", 1),
         "rms_norm_eps": tcfg.rms_norm_eps,
         "rope_parameters": rope,
-        "sliding_window": 2048,
+        "sliding_window": 2048 if window is None else int(window),
         "tie_word_embeddings": False,
         "use_cache": True,
-        "use_sliding_window": False,
+        "use_sliding_window": window is not None,
         "vocab_size": tcfg.vocab_size,
     }
 
@@ -228,7 +236,7 @@ def spec_config(src: Source) -> dict[str, Any]:
         "speculators_version": SPECULATORS_VERSION,
         "target_hidden_size": None,
         "tie_word_embeddings": False,
-        "transformer_layer_config": _layer_config(tcfg),
+        "transformer_layer_config": _layer_config(tcfg, _window(src)),
         "transformers_version": transformers.__version__,
         "draftsmith": _drafter_meta(src, "speculators"),
     }
@@ -264,6 +272,11 @@ def sgl_required(src: Source) -> dict[str, Shapes]:
 
 def sgl_tensors(src: Source) -> dict[str, dict[str, torch.Tensor]]:
     _sgl_check_norms(src)
+    if _window(src) is not None:
+        raise ExportError(
+            f"{src.drafter_dir}: a head with drafter.sliding_window={_window(src)} is not written for SGLang (its "
+            "EAGLE-3 draft layer attends to the whole context); use export=speculators (vLLM reads the window)"
+        )
     return SGLANG.mapped_tensors(src)
 
 
@@ -298,7 +311,12 @@ def sgl_write_config(src: Source, out: Path) -> None:
 
 
 def _build(
-    target: Any, layer_ids: list[int], state: dict[str, torch.Tensor], where: Path, norms: dict[str, bool] | None = None
+    target: Any,
+    layer_ids: list[int],
+    state: dict[str, torch.Tensor],
+    where: Path,
+    norms: dict[str, bool] | None = None,
+    window: int | None = None,
 ) -> Eagle3Head:
     tcfg = target.model.config
     if "lm_head.weight" not in state:
@@ -316,7 +334,7 @@ def _build(
     if stored is not None and not torch.equal(stored, embed.to(stored.dtype)):  # bf16 exports: the target's, rounded
         raise ValueError(f"EAGLE-3 export {where}: embed_tokens.weight is not the target's input embedding")
     state["embed_tokens.weight"] = embed
-    head = Eagle3Head(tcfg, layer_ids, vd, norms)
+    head = Eagle3Head(tcfg, layer_ids, vd, norms, window)
     load_state(head, state, f"EAGLE-3 export {where}")
     return head.to(next(target.model.parameters()).dtype).eval()
 
@@ -353,7 +371,11 @@ def spec_load(directory: Path, target: Any) -> Eagle3Head:
     if int(meta.get("draft_vocab_size", -1)) != rows:
         raise ValueError(f"{directory}: draft_vocab_size={meta.get('draft_vocab_size')} but lm_head has {rows} rows")
     _check_hash(meta, state, directory)
-    return _build(target, ids, state, directory, norms)
+    types = layer.get("layer_types") or ["full_attention"]
+    if types not in (["full_attention"], ["sliding_attention"]):
+        raise ValueError(f"{directory}: draft layer_types {types}; Eagle3Head has one full or sliding-window layer")
+    window = int(layer["sliding_window"]) if types == ["sliding_attention"] else None
+    return _build(target, ids, state, directory, norms, window)
 
 
 def sgl_load(directory: Path, target: Any) -> Eagle3Head:
