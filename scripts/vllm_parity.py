@@ -20,6 +20,11 @@ Two halves, two environments:
   the same prompt token ids one request at a time at temperature 0, and reads vLLM's spec-decode counters
   around each request (``llm.get_metrics()``: drafts, draft tokens, accepted tokens, accepted per position).
 
+Long prompts: ``--prompts FILE`` adds a traffic file's prompts (JSONL / Parquet with ``messages`` or ``prompt``, as
+``eval.prompts`` reads it; ``--split none`` for those alone), ``--num-prompts`` per source within
+``[--min-prompt-tokens, --max-prompt-tokens]``; the engine's ``max_model_len`` is sized to the longest, e.g.
+``--split none --prompts eval/probes/long_context.jsonl --min-prompt-tokens 2048 --max-prompt-tokens 6144``.
+
 At a temperature (``--temperature 1 --samples 8``) the two sides are independent draws of the same law: vLLM serves
 ``--samples`` seeded requests per prompt (chains drafted by argmax, vLLM's default ``draft_sample_method``), ours is
 sampled replay (:mod:`eval.replay`) along as many paths sampled from the target per prompt, with the chain drafted
