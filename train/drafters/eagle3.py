@@ -172,8 +172,8 @@ class Eagle3Config(Choices):
     sliding_window: int | None = None
     """The draft layer attends only to the last ``sliding_window`` positions (itself included), in training, in
     every decoder and in the exports (speculators' ``transformer_layer_config.sliding_window`` with a
-    ``sliding_attention`` layer type, which vLLM serves); None = the whole context. A head trained on rows no longer
-    than the window is the same head either way, so the window can be set on it at eval or export time: it keeps the
+    ``sliding_attention`` layer type, which vLLM serves); None = the whole context. On rows of at most
+    ``sliding_window - ttt_steps + 2`` tokens training is exactly as without it: the window then only keeps the
     draft's attention within the distances it was trained on when contexts grow longer (BENCHMARKS). Must be longer
     than any draft (``ttt_steps``, ``chain_k``, ``tree_depth``)."""
     decode: Decode = Decode.tree
