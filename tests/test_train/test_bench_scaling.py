@@ -5,6 +5,7 @@ the reference row, the table and the plot."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -71,3 +72,26 @@ def test_scaling_study_rows_share_prompts_and_split_cpu_time(
     md = (tmp_path / "runs" / "sc" / "scaling.md").read_text()
     assert "| rows6_steps2 |" in md and "reference" in md
     assert (tmp_path / "runs" / "sc" / "scaling.png").stat().st_size > 1000
+
+
+def test_bench_memory_reports_a_step_on_the_longest_rows(synth_dir: Path) -> None:
+    """scripts/bench_memory.py (BENCHMARKS' memory at 4k-token rows) on the small synth run: one EAGLE-3 step per
+    micro-batch size on that many of the longest rows, padded to the longest; peak RSS only grows."""
+    import pyarrow.parquet as pq
+
+    lengths = sorted(
+        len(r) for f in (synth_dir / "data").glob("*.parquet") for r in pq.read_table(f)["input_ids"].to_pylist()
+    )
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_memory.py"), "--synth-dir", str(synth_dir)]
+    res = subprocess.run(
+        [*cmd, "--batch-sizes", "2", "1", "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("micro-batch", f"{len(lengths)} rows"))]
+    assert lines[0].startswith(f"{len(lengths)} rows, longest {lengths[-4:]}"), res.stdout
+    assert [ln.split(" tokens")[0] for ln in lines[1:]] == [
+        f"micro-batch 1 x {lengths[-1]}",
+        f"micro-batch 2 x {lengths[-1]}",
+    ]
+    peaks = [float(x) for ln in lines for x in re.findall(r"peak RSS ([\d.]+) GiB", ln)]
+    assert len(peaks) == 5 and peaks == sorted(peaks) and peaks[0] > 0.3, res.stdout  # the target alone is ~0.5 GiB
