@@ -118,18 +118,10 @@ TINY_SYNTH = [
 
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import subprocess
-    import sys
+    from tests import cli
 
     out = tmp_path_factory.mktemp("synth")
     env = dict(os.environ, WANDB_MODE="disabled")
-    res = subprocess.run(
-        [sys.executable, "-m", "train", "stage=synth", *SMALL_SYNTH, f"hydra.run.dir={out}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    res = cli.run(["stage=synth", *SMALL_SYNTH, f"hydra.run.dir={out}"], env, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out

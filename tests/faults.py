@@ -23,12 +23,9 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
-
-CHILD = "import tests.faults as f; f.install(); from train.__main__ import cli; cli()"
+from tests import cli
 
 
 def install() -> None:
@@ -61,13 +58,6 @@ def install() -> None:
     os.replace = replace  # type: ignore[assignment]
 
 
-def sigint_default() -> None:
-    """``preexec_fn`` for a child that must see Ctrl-C: one started from a shell's background job inherits SIGINT
-    *ignored*, and Python then installs no KeyboardInterrupt handler (the interrupt would be lost, not the code's
-    handling of it tested)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def run(
     args: list[str], env: dict[str, str], root: Path, fault: str = "", log: Path | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess[str]:
@@ -75,10 +65,7 @@ def run(
     env = dict(env, DRAFTSMITH_FAULT=fault, DRAFTSMITH_FAULT_ROOT=str(root))
     if log is not None:
         env["DRAFTSMITH_FAULT_LOG"] = str(log)
-    cmd = [sys.executable, "-c", CHILD, *args]
-    return subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=sigint_default
-    )
+    return cli.run(args, env, timeout=timeout, prelude="tests.faults:install")
 
 
 def kind_of(path: str) -> str:

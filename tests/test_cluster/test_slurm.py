@@ -14,13 +14,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import cli
 from tests.conftest import REPO, SMALL_SYNTH, compose
 
 REQUIRE = os.environ.get("DRAFTSMITH_REQUIRE_SLURM") == "1"
@@ -54,9 +54,7 @@ def _env() -> dict[str, str]:
 
 
 def _train_cli(args: list[str], timeout: int = 300) -> str:
-    res = subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    res = cli.run(args, _env(), timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout + res.stderr
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,8 @@ import pytest
 
 from data.config import ConfigError, DataConfig, SourceConfig
 from data.sources import DataError, SkipCounter, read_source
-from tests.conftest import REPO, compose
+from tests import cli
+from tests.conftest import compose
 
 GOOD = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}
 
@@ -65,13 +65,7 @@ def test_directory_is_called_a_directory_and_globs_skip_directories(tmp_path: Pa
 
 
 def _synth(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "train", "stage=synth", f"hydra.run.dir={tmp_path / 'out'}", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli.run(["stage=synth", f"hydra.run.dir={tmp_path / 'out'}", *args], timeout=300)
 
 
 def test_missing_file_fails_before_the_target_loads(tmp_path: Path) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from data.config import ConfigError
-from tests.conftest import CONF, REPO, compose
+from tests import cli
+from tests.conftest import CONF, compose
 from train.config import Config, check_key_path
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
@@ -60,7 +60,7 @@ def test_misspelt_key_lists_valid_keys() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return cli.run(list(args), timeout=120)
 
 
 def test_cli_typo_fails_at_startup_with_valid_keys() -> None:

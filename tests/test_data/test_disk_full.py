@@ -9,13 +9,12 @@ so, where the mount is refused.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from data.tiny_target import make_tiny_target
-from tests.conftest import REPO
+from tests import cli
 
 
 def _rows(run: Path) -> list[tuple[str, list[int]]]:
@@ -41,8 +40,7 @@ def test_synth_on_a_full_disk_ends_in_one_line_and_resumes_to_the_same_rows(
         args += ["target=hf", f"target.path={target}", "hydra.output_subdir=null"]
 
         def synth(run: Path) -> subprocess.CompletedProcess[str]:
-            cmd = [sys.executable, "-m", "train", *args, f"hydra.run.dir={run}"]
-            return subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600)
+            return cli.run([*args, f"hydra.run.dir={run}"], run_env, timeout=600)
 
         full = synth(disk / "run")
         assert full.returncode == 2, full.stderr[-3000:]

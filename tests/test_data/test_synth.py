@@ -16,6 +16,7 @@ from data.render import conversation_ids_and_mask, prompt_ids
 from data.sources import Conversation
 from data.synth import synth_chunk
 from data.synth_store import load_synth_dataset
+from tests import cli
 from tests.conftest import REPO, compose
 
 pytestmark = pytest.mark.slow
@@ -139,14 +140,7 @@ def test_streamed_chunks_equal_chunk_by_chunk_synth(target, temperature: float) 
 
 
 def _synth(run_dir: Path, env: dict[str, str], *extra: str, small: list[str] = SMALL) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "train", "stage=synth", *small, f"hydra.run.dir={run_dir}", *extra],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return cli.start(["stage=synth", *small, f"hydra.run.dir={run_dir}", *extra], env, merge_stderr=True)
 
 
 def _rows(run_dir: Path) -> list[dict]:

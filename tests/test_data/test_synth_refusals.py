@@ -4,11 +4,10 @@ plan hashes. A tiny target keeps it to seconds."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 from data.tiny_target import make_tiny_target
-from tests.conftest import REPO
+from tests import cli
 
 
 def test_synth_of_another_config_names_the_changed_keys(tmp_path: Path, run_env: dict[str, str]) -> None:
@@ -17,8 +16,7 @@ def test_synth_of_another_config_names_the_changed_keys(tmp_path: Path, run_env:
     base += ["target=hf", f"target.path={path}", f"hydra.run.dir={tmp_path / 'synth'}"]
 
     def synth(*extra: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "train", *base, *extra]
-        return subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600)
+        return cli.run([*base, *extra], run_env, timeout=600)
 
     first = synth("data.num_prompts=8")
     assert first.returncode == 0, first.stderr[-3000:]

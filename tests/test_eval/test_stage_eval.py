@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli
 from tests.conftest import REPO, SMALL_SYNTH
 from tests.derived import assert_tau_derived
 
@@ -18,8 +19,7 @@ pytestmark = pytest.mark.slow
 
 def _eval(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``python -m train stage=eval <args>`` in the checkout, output captured."""
-    cmd = [sys.executable, "-m", "train", "stage=eval", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return cli.run(["stage=eval", *args], env, timeout=900)
 
 
 def test_stage_eval_reports_every_method(synth_dir: Path, tmp_path: Path, run_env: dict[str, str], target) -> None:

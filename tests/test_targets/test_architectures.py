@@ -26,6 +26,7 @@ import torch
 
 from data.config import TargetConfig, TargetError
 from data.tiny_target import ARCHITECTURES, make_tiny_target
+from tests import cli
 from tests.conftest import REPO
 from tests.test_export.test_vllm_parity import E3_TRAIN  # a head that learns its rows: every position is compared
 
@@ -260,9 +261,7 @@ def test_check_refuses_what_cannot_work(tiny_root: Path, tmp_path: Path, monkeyp
 
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
+    return cli.run(args, env, timeout=900)
 
 
 SMALL = [
@@ -339,17 +338,7 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(tiny_root: Path, tmp_path: Path,
 
     path = make_tiny_target("llama", tiny_root / "llama")
     args = [*SMALL[:7], "data.num_prompts=400", "synth.max_new_tokens=200", "target=hf", f"target.path={path}"]
-    from tests.faults import sigint_default
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "train", "stage=synth", *args, f"runs_root={tmp_path}"],
-        cwd=REPO,
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=sigint_default,
-    )
+    proc = cli.start(["stage=synth", *args, f"runs_root={tmp_path}"], run_env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and not (tmp_path / "quickstart").exists():
         time.sleep(0.2)  # the stage has started (its run directory exists): interrupt it mid-work

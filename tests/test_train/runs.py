@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,18 +14,29 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import cli
 from tests.conftest import REPO
 
 
-def run_train(args: list[str], env: dict[str, str], launcher: list[str] | None = None) -> subprocess.Popen[str]:
-    cmd = [*(launcher or [sys.executable]), "-m", "train", *args]
-    # its own process group: a SIGKILL to the group takes a launcher's workers with it, as a node failure would
+def run_train(
+    args: list[str], env: dict[str, str], launcher: list[str] | None = None
+) -> cli.Forked | subprocess.Popen[str]:
+    """``python -m train *args`` (stderr into stdout), or ``launcher -m train *args`` (e.g. torchrun), in its own
+    process group: a SIGKILL to the group takes a launcher's workers with it, as a node failure would."""
+    if launcher is None:
+        return cli.start(args, env, merge_stderr=True)
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        [*launcher, "-m", "train", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 
-def ok(proc: subprocess.Popen[str], timeout: int = 900) -> str:
+def ok(proc: cli.Forked | subprocess.Popen[str], timeout: int = 900) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out

@@ -7,18 +7,15 @@ throughput; a synth rerun adds to the stage's seconds instead of replacing them.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from data.tiny_target import make_tiny_target
-from tests.conftest import REPO, TINY_SYNTH
+from tests import cli
+from tests.conftest import TINY_SYNTH
 
 
 def _run(args: list[str], env: dict[str, str]) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    res = cli.run(args, env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -68,10 +65,8 @@ def test_time_and_tokens_accumulate_across_resumes_and_reruns(tmp_path: Path, ru
     assert abs(budget_hours(run) * 3600 - sum(s["seconds"] for s in kept["segments"])) < 0.05
 
     # the tiny target's head judged against the embedded target: refused from the config files, before it loads
-    cmd = [sys.executable, "-m", "train", "stage=eval", f"eval.drafter_dir={train / 'best'}", f"synth_dir={synth}"]
-    res = subprocess.run(
-        [*cmd, f"hydra.run.dir={tmp_path / 'ev'}"], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=600
-    )
+    cmd = ["stage=eval", f"eval.drafter_dir={train / 'best'}", f"synth_dir={synth}"]
+    res = cli.run([*cmd, f"hydra.run.dir={tmp_path / 'ev'}"], run_env, timeout=600)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "was made for another target: its hidden size is 128, target smollm2-135m's is 576" in res.stderr
     assert "Target smollm2-135m loaded" not in res.stdout + res.stderr

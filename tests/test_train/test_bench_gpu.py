@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli
 from tests.conftest import REPO
 from tests.derived import assert_best_is_best_check, assert_tau_derived
 
@@ -80,10 +81,10 @@ def _other_stages(runs: Path, env: dict[str, str], device: str) -> None:
         "export": ["export=speculators"],
     }
     for stage, extra in stages.items():
-        cmd = [sys.executable, "-m", "train", f"stage={stage}", *common, *extra]
+        cmd = [f"stage={stage}", *common, *extra]
         if stage == "train":
             cmd.append(f"hydra.run.dir={runs / 'pre' / 'train'}")
-        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        res = cli.run(cmd, env, timeout=900)
         assert res.returncode == 0, stage + ": " + res.stdout[-3000:] + res.stderr[-3000:]
     assert json.loads((runs / "pre" / "train" / "manifest.json").read_text())["result"]["steps"] == 2
     metrics = json.loads((runs / "gpu_bench_eagle3" / "eval" / "metrics.json").read_text())["metrics"]

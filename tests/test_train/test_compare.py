@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests import cli
 from train.compare import differs, load_run, markdown
 
 
@@ -73,17 +74,13 @@ def test_compare_keeps_each_temperature_in_its_own_rows(tmp_path: Path) -> None:
 def test_compare_never_silently_replaces_another_comparison(tmp_path: Path) -> None:
     import os
     import subprocess
-    import sys
-
-    from tests.conftest import REPO
 
     a, b, c = (_eval_dir(tmp_path, n, 1.5, 1.4, 1.6) for n in "abc")
     out = tmp_path / "cmp"
     env = {**os.environ, "WANDB_MODE": "disabled"}
 
     def compare(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "train", "stage=compare", f"hydra.run.dir={out}", *args]
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        return cli.run(["stage=compare", f"hydra.run.dir={out}", *args], env, timeout=300)
 
     assert compare(f"runs=[{a},{b}]").returncode == 0
     assert compare(f"runs=[{a},{b}]").returncode == 0  # the same comparison again: fine

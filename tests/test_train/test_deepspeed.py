@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from data.tiny_target import make_tiny_target
-from tests.conftest import REPO, TINY_SYNTH
+from tests import cli
+from tests.conftest import TINY_SYNTH
 from tests.test_train.runs import assert_kill_resume_exact, losses, ok, run_train
 
 pytestmark = pytest.mark.slow
@@ -49,13 +49,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = tmp_path_factory.mktemp("ds")
     path = make_tiny_target("llama", root / "llama")
     target = [*TINY_SYNTH, "target=hf", f"target.path={path}"]
-    res = subprocess.run(
-        [sys.executable, "-m", "train", "stage=synth", *target, f"hydra.run.dir={root / 'synth'}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    res = cli.run(["stage=synth", *target, f"hydra.run.dir={root / 'synth'}"], timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [*target, f"synth_dir={root / 'synth'}", *TRAIN]
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, subprocess_env
+from tests import cli
+from tests.conftest import subprocess_env
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "train", "stage=deploy", f"runs_root={tmp_path}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=subprocess_env("disabled"), capture_output=True, text=True, timeout=300)
+    return cli.run(["stage=deploy", f"runs_root={tmp_path}", *args], subprocess_env("disabled"), timeout=300)
 
 
 @pytest.mark.parametrize(

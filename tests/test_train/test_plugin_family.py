@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO, SMALL_SYNTH
+from tests import cli
+from tests.conftest import SMALL_SYNTH
 from tests.derived import assert_tau_derived
 from tests.test_train.runs import losses
 
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "train", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return cli.run(args, env, timeout=900)
 
 
 def test_a_family_of_ones_own_trains_decodes_and_is_refused_by_export(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli
 from tests.conftest import REPO, SMALL_SYNTH, compose
 from tests.test_train.runs import run_train
 
@@ -40,9 +41,7 @@ TRAIN = [
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return cli.run(args, env, timeout=timeout)
 
 
 def _user_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from data.tiny_target import make_tiny_target
+from tests import cli
 from tests.conftest import REPO, TINY_SYNTH
 
 
@@ -20,14 +21,7 @@ def test_local_training_sweep_runs_every_job(tmp_path: Path, run_env: dict[str, 
     path = make_tiny_target("llama", tmp_path / "tiny-llama")
     base = [*TINY_SYNTH, "target=hf", f"target.path={path}", "drafter=eagle3", "drafter.draft_vocab_size=512"]
     synth = tmp_path / "synth"
-    res = subprocess.run(
-        [sys.executable, "-m", "train", "stage=synth", *base, f"hydra.run.dir={synth}"],
-        cwd=REPO,
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    res = cli.run(["stage=synth", *base, f"hydra.run.dir={synth}"], run_env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     train = [f"synth_dir={synth}", "train.max_steps=2", "train.save_every=2", "train.eval_prompts=1"]
     train += ["train.eval_max_new_tokens=4", "train.features=online"]
