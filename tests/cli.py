@@ -214,6 +214,10 @@ def _server() -> _Server | None:
     return _SERVER
 
 
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
+
 class Forked:
     """A forked ``python -m train``, with the part of :class:`subprocess.Popen` the tests use."""
 
@@ -241,8 +245,7 @@ class Forked:
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         self.wait(timeout)
-        read = lambda p: p.read_text(encoding="utf-8", errors="replace") if p.exists() else ""  # noqa: E731
-        return read(self._out), None if self._merge else read(self._err)
+        return _read(self._out), None if self._merge else _read(self._err)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -296,4 +299,4 @@ def run(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode or 0, out, err or "")
+    return subprocess.CompletedProcess(proc.args, proc.wait(), out, err or "")
